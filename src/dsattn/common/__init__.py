@@ -1,0 +1,1 @@
+"""Numerics shared by every operator family: checks, layouts, masks, softmax/LSE."""

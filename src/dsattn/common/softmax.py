@@ -1,0 +1,100 @@
+"""Softmax with sinks, the rounding of P, and LSE merging of partial attention states.
+
+Conventions (00-overview §8, §9):
+
+* scores are fp32 (or wider for the float64 golden); the sink is one extra, *unscaled*
+  logit per head whose value vector is zero;
+* ``m = max(sink, max_j S_j)``, ``l = exp(sink - m) + sum_j exp(S_j - m)``,
+  ``O = sum_j round_q(exp(S_j - m)) v_j / l``, ``lse = m + log(l)`` (includes the sink);
+* rows that see no key produce ``O = 0`` and ``lse = 0``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def round_q(x: torch.Tensor, qdtype: torch.dtype) -> torch.Tensor:
+    """Round-to-nearest-even to the query dtype, then back to ``x``'s dtype (identity for fp32
+    and wider query dtypes)."""
+    if qdtype in (torch.float16, torch.bfloat16):
+        return x.to(qdtype).to(x.dtype)
+    return x
+
+
+def softmax_with_sink(s: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor | None):
+    """Unnormalised softmax over the last axis with an optional per-head sink.
+
+    ``s``: scores ``[R, H, W]``; ``mask``: ``[R, W]`` (or broadcastable) True for real keys;
+    ``sinks``: ``[H]`` or None.  Returns ``(e, l, m)`` with ``e = exp(s - m)`` (0 where masked),
+    ``l`` the denominator including the sink and ``m`` the running max (finite; 0 for rows
+    without any key and without a sink).  Masked scores may hold anything, NaN included.
+    """
+    neg_inf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
+    s = torch.where(mask.unsqueeze(-2), s, neg_inf)
+    m = s.amax(-1)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.to(s.dtype))
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m.unsqueeze(-1))
+    l = e.sum(-1)
+    if sinks is not None:
+        l = l + torch.exp(sinks.to(s.dtype) - m)
+    return e, l, m
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor | None,
+           scale: float, qdtype: torch.dtype, row_ok: torch.Tensor):
+    """Attention of ``q [R, H, D]`` over per-row keys ``keys [R, W, D]`` (K = V) in the dtype
+    of ``keys`` (fp32 or fp64).  ``mask [R, W]`` marks real keys (masked key rows must already
+    be zero), ``row_ok [R]`` valid rows.  Returns ``(out [R, H, D], lse [R, H])`` unrounded."""
+    s = scale * torch.einsum("rhd,rwd->rhw", q, keys)
+    e, l, m = softmax_with_sink(s, mask, sinks)
+    out = torch.einsum("rhw,rwd->rhd", round_q(e, qdtype), keys) / l.unsqueeze(-1)
+    lse = m + torch.log(l)
+    ok = (row_ok & mask.any(-1)).unsqueeze(-1)
+    out = torch.where(ok.unsqueeze(-1), out, torch.zeros_like(out))
+    lse = torch.where(ok, lse, torch.zeros_like(lse))
+    return out, lse
+
+
+def merge_attention_states(outs, lses, *, sinks=None, valid=None):
+    """Merge partial attention states computed on disjoint key subsets (60-serving §7.2).
+
+    ``outs``: list of ``[..., N, Dv]`` tensors (one dtype); ``lses``: list of float32
+    ``[..., N]``; ``valid``: list of bool ``[..., N]`` or None (all partials valid);
+    ``sinks``: float32 ``[N]`` or None, added exactly once here (partials are computed
+    without it).  Returns ``(out [..., N, Dv] in the outs dtype, lse float32 [..., N])``;
+    rows where no partial saw a key get ``out = 0``, ``lse = 0``.
+    """
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(f"outs: expected a non-empty list matching lses, got {len(outs)} and {len(lses)}")
+    if valid is not None and len(valid) != len(outs):
+        raise ValueError(f"valid: expected {len(outs)} masks, got {len(valid)}")
+    dtype = outs[0].dtype
+    for k, (o, l) in enumerate(zip(outs, lses)):
+        if o.dtype != dtype:
+            raise TypeError(f"outs: partial {k} has dtype {o.dtype}, expected {dtype}")
+        if l.dtype != torch.float32:
+            raise TypeError(f"lses: partial {k} has dtype {l.dtype}, expected torch.float32")
+        if tuple(o.shape[:-1]) != tuple(l.shape):
+            raise ValueError(f"lses: partial {k} has shape {tuple(l.shape)}, expected {tuple(o.shape[:-1])}")
+    lse = torch.stack(lses).float()
+    ok = torch.isfinite(lse)
+    if valid is not None:
+        ok = ok & torch.stack([v.to(torch.bool) for v in valid])
+    lse = torch.where(ok, lse, torch.full_like(lse, float("-inf")))
+    M = lse.amax(0)
+    if sinks is not None:
+        M = torch.maximum(M, sinks.float())
+    M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
+    w = torch.exp(lse - M)                                       # [P, ..., N], 0 for empty partials
+    den = w.sum(0)
+    if sinks is not None:
+        den = den + torch.exp(sinks.float() - M)
+    parts = torch.stack([o.float() for o in outs])
+    parts = torch.where(ok.unsqueeze(-1), parts, torch.zeros_like(parts))
+    out = (w.unsqueeze(-1) * parts).sum(0) / den.unsqueeze(-1)
+    any_ok = ok.any(0)
+    out = torch.where(any_ok.unsqueeze(-1), out, torch.zeros_like(out))
+    lse_out = torch.where(any_ok, M + torch.log(den), torch.zeros_like(M))
+    return out.to(dtype), lse_out

@@ -1,0 +1,109 @@
+"""Vectorised PyTorch kernels of ``sparse_flash_mla`` and its gradient, for any torch device.
+
+Query rows are processed in blocks (:meth:`MlaProblem.rows_per_block`), so memory stays
+bounded however long the sequence is: a block gathers its rows' keys ``[rows, W, D]``
+(window keys, then compressed keys) into a zero-padded buffer and runs the attention of
+:func:`dsattn.common.softmax.attend` on it.  Shapes depend only on tensor extents and
+attributes, never on tensor values, so the kernels do not read device data on the host
+(content checks aside, which are skipped during CUDA graph capture).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.checks import stat_dtype
+from ..common.softmax import attend, round_q
+from .problem import MlaProblem, lse_from_rows, lse_to_rows
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _zero_invalid(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """Rows that are not valid must not influence anything, whatever they hold (NaN too)."""
+    return torch.where(ok.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def forward(P: MlaProblem, return_softmax_lse: bool):
+    q = P.q
+    cdt = _compute_dtype(q)
+    qf = P.rows.flat(q)
+    R, H, D = qf.shape
+    out = torch.empty(R, H, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(R, H, dtype=stat_dtype(q), device=q.device)
+    sinks = None if P.sinks is None else P.sinks.to(cdt)
+    step = P.rows_per_block()
+    for t0 in range(0, R, step):
+        t1 = min(R, t0 + step)
+        k = P.keys(t0, t1)
+        keys = P.gather(k, cdt)
+        qb = _zero_invalid(qf[t0:t1].to(cdt), k.valid)
+        o, l = attend(qb, keys, k.mask, sinks, P.scale, q.dtype, k.valid)
+        out[t0:t1] = o.to(q.dtype)
+        lse[t0:t1] = l.to(lse.dtype)
+    attn_out = P.rows.unflat(out, q)
+    if not return_softmax_lse:
+        return attn_out, torch.zeros((), dtype=stat_dtype(q), device=q.device)
+    return attn_out, lse_from_rows(lse, q, "BSND" if P.rows.layout == "BSND" else "TND")
+
+
+def backward(P: MlaProblem, dout, attn_out, softmax_lse):
+    q = P.q
+    cdt = _compute_dtype(q)
+    sdt = stat_dtype(q)
+    dev = q.device
+    rows = P.rows
+    qf, dof, of = rows.flat(q), rows.flat(dout), rows.flat(attn_out)
+    lse_rows = lse_to_rows(softmax_lse, rows)
+    R, H, D = qf.shape
+    Wo = P.ori_width
+    dq = torch.empty(R, H, D, dtype=q.dtype, device=dev)
+    dori = torch.zeros(P.ori.tensor.shape, dtype=cdt, device=dev)
+    dcmp = torch.zeros(P.cmp.tensor.shape, dtype=cdt, device=dev) if P.cmp is not None else None
+    dsinks = torch.zeros(H, dtype=cdt, device=dev)
+    sinks = None if P.sinks is None else P.sinks.to(cdt)
+    cmp_l1 = torch.zeros(R, P.cmp_idx.size(1), dtype=sdt, device=dev) if P.cmp_idx is not None else None
+    ori_l1 = torch.zeros(R, P.ori_idx.size(1), dtype=sdt, device=dev) if P.ori_idx is not None else None
+    step = P.rows_per_block(extra_per_key=2 * H)
+    for t0 in range(0, R, step):
+        t1 = min(R, t0 + step)
+        k = P.keys(t0, t1)
+        mask = k.mask
+        keys = P.gather(k, cdt)                                         # [r, W, D]
+        ok = k.valid
+        qb = _zero_invalid(qf[t0:t1].to(cdt), ok)
+        dO = _zero_invalid(dof[t0:t1].to(cdt), ok)
+        O = _zero_invalid(of[t0:t1].to(cdt), ok)
+        lse = _zero_invalid(lse_rows[t0:t1].to(cdt), ok)
+        s = P.scale * torch.einsum("rhd,rwd->rhw", qb, keys)
+        Pm = torch.where(mask[:, None, :], torch.exp(s - lse[..., None]), torch.zeros((), dtype=cdt, device=dev))
+        dP = torch.einsum("rhd,rwd->rhw", dO, keys)
+        Dsum = (dO * O).sum(-1)
+        dS = round_q(Pm * (dP - Dsum[..., None]), q.dtype)
+        dq[t0:t1] = (P.scale * torch.einsum("rhw,rwd->rhd", dS, keys)).to(q.dtype)
+        dK = P.scale * torch.einsum("rhw,rhd->rwd", dS, qb) + torch.einsum("rhw,rhd->rwd", round_q(Pm, q.dtype), dO)
+        P.ori.scatter_add(dori, *k.ori_addr, dK[:, :Wo] * k.ori_mask[..., None])
+        if P.cmp is not None:
+            P.cmp.scatter_add(dcmp, *k.cmp_addr, dK[:, Wo:] * k.cmp_mask[..., None])
+        if sinks is not None:
+            dsinks -= (torch.exp(sinks - lse) * (Pm * dP).sum(-1) * ok[:, None]).sum(0)
+        Pmean = Pm.mean(1)                                              # [r, W]
+        if cmp_l1 is not None:                                          # slot s <-> column Wo + s
+            cmp_l1[t0:t1] = Pmean[:, Wo:].to(sdt)
+        if ori_l1 is not None:
+            x = P.ori_idx[t0:t1].to(torch.int64)
+            walk = (torch.cumsum((x < 0).to(torch.int32), -1) == 0) & ok[:, None]
+            col = x - k.ori_x[:, :1]
+            inside = walk & (col >= 0) & (col < Wo)
+            colc = torch.where(inside, col, torch.zeros_like(col))
+            hit = inside & torch.gather(k.ori_mask, 1, colc)
+            ori_l1[t0:t1] = torch.where(hit, torch.gather(Pmean[:, :Wo], 1, colc), torch.zeros((), dtype=cdt,
+                                                                                                 device=dev)).to(sdt)
+    empty = torch.zeros(0, dtype=sdt, device=dev)
+    return (rows.unflat(dq, q),
+            dori.to(P.ori.tensor.dtype),
+            dcmp.to(P.cmp.tensor.dtype) if dcmp is not None else torch.zeros(0, dtype=q.dtype, device=dev),
+            dsinks.to(sdt) if sinks is not None else empty,
+            rows.unflat(ori_l1, q).unsqueeze(-2) if ori_l1 is not None else empty,
+            rows.unflat(cmp_l1, q).unsqueeze(-2) if cmp_l1 is not None else empty)

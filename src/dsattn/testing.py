@@ -1,0 +1,165 @@
+"""Comparison rules and tolerances of 00-overview §11.
+
+* :func:`standard_close` — the CANN acceptance rule: ``|a-e| <= atol + rtol|e|`` for at least
+  99.5 % of elements (rtol 1/128, atol 1e-4), NaN never close, ±inf only to the same ±inf.
+* :func:`flashmla_close` — every element within ``abs_tol`` or ``rel_tol·|e|``, plus cos_diff.
+* :func:`bf16_cross_order_close` — the rule for bf16 outputs computed in a different summation
+  order (tiling, branch merges, another backend).
+* :func:`compare` picks the rule for an output's dtype.
+* :func:`compare_indexer` — per-row index sets with the boundary-score tolerance (10 §1.7).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+RTOL = 1 / 128
+ATOL = 1e-4
+
+
+@dataclass
+class Comparison:
+    rule: str
+    passed: bool
+    max_abs: float
+    fraction: float          # fraction of elements within the rule's per-element bound
+    detail: str = ""
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        s = f"{self.rule}: {'pass' if self.passed else 'FAIL'} max_abs={self.max_abs:.3g} within={100 * self.fraction:.3f}%"
+        return s + (f" ({self.detail})" if self.detail else "")
+
+
+def _prep(a: torch.Tensor, e: torch.Tensor):
+    if tuple(a.shape) != tuple(e.shape):
+        raise ValueError(f"actual: shape {tuple(a.shape)} does not match expected {tuple(e.shape)}")
+    return a.detach().to("cpu", torch.float64).reshape(-1), e.detach().to("cpu", torch.float64).reshape(-1)
+
+
+def _max_abs(a, e) -> float:
+    both = torch.isfinite(a) & torch.isfinite(e)
+    if not bool(both.any()):
+        return 0.0
+    return float((a[both] - e[both]).abs().max())
+
+
+def _nonfinite_match(a, e) -> bool:
+    """NaN is never close; ±inf only to the same ±inf."""
+    if bool(torch.isnan(a).any() or torch.isnan(e).any()):
+        return False
+    inf_a, inf_e = torch.isinf(a), torch.isinf(e)
+    return bool(torch.equal(inf_a, inf_e) and torch.equal(a[inf_a], e[inf_e]))
+
+
+def _elementwise_close(a, e, rtol, atol):
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    close = (a - e).abs() <= atol + rtol * e.abs()
+    same_inf = torch.isinf(a) & torch.isinf(e) & (a == e)
+    return (finite & close) | same_inf
+
+
+def standard_close(actual, expected, rtol: float = RTOL, atol: float = ATOL, min_fraction: float = 0.995):
+    a, e = _prep(actual, expected)
+    n = a.numel()
+    ok = _elementwise_close(a, e, rtol, atol)
+    frac = float(ok.double().mean()) if n else 1.0
+    return Comparison("standard", frac >= min_fraction, _max_abs(a, e), frac)
+
+
+def cos_diff(a, e) -> float:
+    a, e = _prep(a, e)
+    f = torch.isfinite(a) & torch.isfinite(e)
+    a, e = a[f], e[f]
+    den = float((a * a + e * e).sum())
+    return 0.0 if den == 0 else 1.0 - 2.0 * float((a * e).sum()) / den
+
+
+def flashmla_close(actual, expected, abs_tol: float = 8e-4, rel_tol: float = 3.01 / 128,
+                   max_cos_diff: float | None = 7e-6):
+    a, e = _prep(actual, expected)
+    d = (a - e).abs()
+    ok = (torch.isfinite(a) & torch.isfinite(e) & ((d <= abs_tol) | (d <= rel_tol * e.abs())))
+    ok = ok | (torch.isinf(a) & (a == e))
+    frac = float(ok.double().mean()) if a.numel() else 1.0
+    cd = cos_diff(actual, expected) if max_cos_diff is not None else 0.0
+    passed = _nonfinite_match(a, e) and frac == 1.0 and (max_cos_diff is None or cd <= max_cos_diff)
+    return Comparison("flashmla", passed, _max_abs(a, e), frac, f"cos_diff={cd:.2e}")
+
+
+def flashmla_lse_close(actual, expected):
+    return flashmla_close(actual, expected, abs_tol=1e-6, rel_tol=2.01 / 65536, max_cos_diff=None)
+
+
+def bf16_cross_order_close(actual, expected):
+    """cos_diff <= 7e-6; >= 99.9 % within the FlashMLA bounds; every element within 4e-3 or 10 %."""
+    a, e = _prep(actual, expected)
+    d = (a - e).abs()
+    fin = torch.isfinite(a) & torch.isfinite(e)
+    inner = fin & ((d <= 8e-4) | (d <= (3.01 / 128) * e.abs()))
+    outer = (fin & ((d <= 4e-3) | (d <= 0.1 * e.abs()))) | (torch.isinf(a) & (a == e))
+    frac = float(inner.double().mean()) if a.numel() else 1.0
+    cd = cos_diff(actual, expected)
+    passed = _nonfinite_match(a, e) and cd <= 7e-6 and frac >= 0.999 and bool(outer.all())
+    return Comparison("bf16-cross-order", passed, _max_abs(a, e), frac, f"cos_diff={cd:.2e}")
+
+
+def compare(actual, expected, *, same_order: bool = False) -> Comparison:
+    """The rule of 00 §11 for the output's dtype.  bf16 outputs use the standard rule only when
+    both sides share the summation order and rounding points (``same_order``)."""
+    if actual.dtype == torch.bfloat16 and not same_order:
+        return bf16_cross_order_close(actual, expected)
+    return standard_close(actual, expected)
+
+
+def fp32_math_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6) -> Comparison:
+    """fp32 runs that check the math without rounding noise: every element within rtol."""
+    a, e = _prep(actual, expected)
+    ok = _elementwise_close(a, e, rtol, atol)
+    frac = float(ok.double().mean()) if a.numel() else 1.0
+    return Comparison("fp32-1e-5", _nonfinite_match(a, e) and frac == 1.0, _max_abs(a, e), frac)
+
+
+def compare_indexer(actual_idx, actual_val, golden_idx, golden_val, golden_rank_idx, golden_rank_val):
+    """10-indexer §1.7.  ``golden_rank_*`` is the golden called with a topk covering every key
+    (each row's full ranking with scores), used to look up the golden score of any index.
+
+    Returns a :class:`Comparison` whose fraction counts rows that pass."""
+    K = actual_idx.size(-1)
+    ai, ei = actual_idx.reshape(-1, K).cpu(), golden_idx.reshape(-1, K).cpu()
+    ri, rv = golden_rank_idx.reshape(ai.size(0), -1).cpu(), golden_rank_val.reshape(ai.size(0), -1).cpu()
+    bad = []
+    for t in range(ai.size(0)):
+        a, e = ai[t].tolist(), ei[t].tolist()
+        na, ne = sum(x != -1 for x in a), sum(x != -1 for x in e)
+        if na != ne or any(x == -1 for x in a[:na]) or any(x != -1 for x in a[na:]):
+            bad.append(t)
+            continue
+        if ne == 0:
+            continue
+        score = dict(zip(ri[t].tolist(), rv[t].tolist()))
+        vb = score[e[ne - 1]]
+        for j in set(a[:na]) ^ set(e[:ne]):
+            s = score.get(j)
+            if s is None or abs(s - vb) > 1e-3 * abs(vb) + 1e-6:
+                bad.append(t)
+                break
+    frac_rows = 1.0 - len(bad) / max(ai.size(0), 1)
+    detail = f"rows failing index-set rule: {bad[:5]}" if bad else ""
+    passed = not bad
+    if actual_val is not None and actual_val.numel():
+        av, ev = actual_val.reshape(-1).double().cpu(), golden_val.reshape(-1).double().cpu()
+        ninf = torch.isneginf(ev)
+        vok = torch.where(ninf, torch.isneginf(av), torch.isclose(av, ev, rtol=0.005, atol=2.5e-5))
+        if not bool(vok.all()):
+            passed = False
+            detail += f" values: {int((~vok).sum())} slots not close"
+    max_abs = 0.0
+    if actual_val is not None and actual_val.numel():
+        fin = torch.isfinite(actual_val) & torch.isfinite(golden_val)
+        if bool(fin.any()):
+            max_abs = float((actual_val[fin].double() - golden_val[fin].double()).abs().max())
+    return Comparison("index-set", passed, max_abs, frac_rows, detail.strip())
