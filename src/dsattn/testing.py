@@ -115,10 +115,14 @@ def compare(actual, expected, *, same_order: bool = False) -> Comparison:
     return standard_close(actual, expected)
 
 
-def fp32_math_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6) -> Comparison:
-    """fp32 runs that check the math without rounding noise: every element within rtol."""
+def fp32_math_close(actual, expected, rtol: float = 1e-5, floor: float = 1e-6) -> Comparison:
+    """fp32 runs that check the math without rounding noise (against a float64 golden): every
+    element within ``rtol·|e|`` plus a floor of ``floor·max|e|`` for elements that are sums of
+    cancelling terms (gradients), where fp32's own summation noise sits near zero."""
     a, e = _prep(actual, expected)
-    ok = _elementwise_close(a, e, rtol, atol)
+    fin = torch.isfinite(e)
+    scale = float(e[fin].abs().max()) if bool(fin.any()) else 0.0
+    ok = _elementwise_close(a, e, rtol, max(floor * scale, 1e-12))
     frac = float(ok.double().mean()) if a.numel() else 1.0
     return Comparison("fp32-1e-5", _nonfinite_match(a, e) and frac == 1.0, _max_abs(a, e), frac)
 

@@ -30,7 +30,7 @@ class IndexerProblem:
                                 rows.local[t0:t1], self.mask_mode)
         return torch.where(rows.used[t0:t1], n, torch.zeros_like(n))
 
-    def rows_per_block(self, width: int, budget_bytes: int = 256 << 20) -> int:
+    def rows_per_block(self, width: int, budget_bytes: int = 32 << 20) -> int:
         H, D = self.q.size(-2), self.q.size(-1)
         per_row = max(1, width) * (D + 3 * H) * 4
         return max(1, min(self.rows.R, budget_bytes // per_row))

@@ -90,7 +90,7 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
             dsinks -= (torch.exp(sinks - lse) * (Pm * dP).sum(-1) * ok[:, None]).sum(0)
         Pmean = Pm.mean(1)                                              # [r, W]
         if cmp_l1 is not None:                                          # slot s <-> column Wo + s
-            cmp_l1[t0:t1] = Pmean[:, Wo:].to(sdt)
+            cmp_l1[t0:t1, : P.cmp_width] = Pmean[:, Wo:].to(sdt)
         if ori_l1 is not None:
             x = P.ori_idx[t0:t1].to(torch.int64)
             walk = (torch.cumsum((x < 0).to(torch.int32), -1) == 0) & ok[:, None]

@@ -73,7 +73,10 @@ class MlaProblem:
     def cmp_width(self) -> int:
         if self.cmp is None:
             return 0
-        return self.cmp_idx.size(1) if self.cmp_idx is not None else self.cmp.capacity
+        if self.cmp_idx is None:
+            return self.cmp.capacity
+        # The walk examines at most min(K, thr) slots and thr <= S2c, so later slots never count.
+        return min(self.cmp_idx.size(1), self.cmp.capacity)
 
     def keys(self, t0: int, t1: int) -> RowKeys:
         """Vectorised key selection (§1.2) for flattened query rows ``[t0, t1)``."""
@@ -98,7 +101,7 @@ class MlaProblem:
             cx = torch.arange(self.cmp_width, device=dev)[None, :].expand(t1 - t0, -1)
             cm = cx < thr[:, None]
         else:
-            cx = self.cmp_idx[t0:t1].to(torch.int64)
+            cx = self.cmp_idx[t0:t1, : self.cmp_width].to(torch.int64)
             cm = sparse_walk_t(cx, thr, thr)
         cm = cm & valid[:, None]
         caddr = self.cmp.locate(b[:, None], cx, cm, check=self.content)
@@ -116,7 +119,7 @@ class MlaProblem:
             out.append(torch.where(mask[..., None], rows, torch.zeros((), dtype=dtype, device=rows.device)))
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
-    def rows_per_block(self, extra_per_key: int = 0, budget_bytes: int = 256 << 20) -> int:
+    def rows_per_block(self, extra_per_key: int = 0, budget_bytes: int = 32 << 20) -> int:
         """Query rows per block so that the gathered keys and scores stay within a budget."""
         W = max(1, self.ori_width + self.cmp_width)
         H, D = self.q.size(-2), self.q.size(-1)

@@ -1,0 +1,224 @@
+"""Random test cases shared by the test suite, ``dsattn verify`` and ``dsattn demo``.
+
+Inputs are drawn fresh from a seeded generator (never zeros); lengths are ragged (a
+length-0 sequence in TND, chunked-prefill and prefill batches, padding query rows); every
+tensor row that no length, window or index can reach is filled with NaN, so a stray read
+shows up as a NaN in the output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+NAN = float("nan")
+SCENARIOS = {1: "SWA", 4: "CSA", 128: "HCA"}
+
+
+@dataclass
+class Case:
+    name: str
+    q: torch.Tensor
+    kwargs: dict
+    extra: dict = field(default_factory=dict)
+
+
+def _randn(g, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _pack_rows(per_batch: list[torch.Tensor], layout: str, pad_to: int | None, tail: int = 0):
+    """Stack per-batch row tensors ``[n_b, ...]`` as BSND ``[B, pad_to, ...]`` or TND
+    ``[sum n_b + tail, ...]``; rows beyond each batch's own rows are NaN."""
+    dtype, rest = per_batch[0].dtype, per_batch[0].shape[1:]
+    if layout == "BSND":
+        out = torch.full((len(per_batch), pad_to, *rest), NAN, dtype=dtype)
+        for b, x in enumerate(per_batch):
+            out[b, : x.size(0)] = x
+        return out, None
+    total = sum(x.size(0) for x in per_batch)
+    out = torch.full((total + tail, *rest), NAN, dtype=dtype)
+    cu = [0]
+    for x in per_batch:
+        out[cu[-1]: cu[-1] + x.size(0)] = x
+        cu.append(cu[-1] + x.size(0))
+    return out, torch.tensor(cu, dtype=torch.int32)
+
+
+def _page(per_batch: list[torch.Tensor], block_size: int, g, first_needed: list[int] | None = None):
+    """Paged pool ``[num_blocks, bs, 1, D]`` + int32 block table.  Blocks that hold only rows
+    before ``first_needed[b]`` are left unmapped (-1); spare pool blocks are NaN."""
+    D, dtype = per_batch[0].size(-1), per_batch[0].dtype
+    nblk = [max(1, -(-x.size(0) // block_size)) for x in per_batch]
+    total = sum(nblk) + 3
+    perm = torch.randperm(total, generator=g).tolist()
+    pool = torch.full((total, block_size, 1, D), NAN, dtype=dtype)
+    table = torch.full((len(per_batch), max(nblk) + 1), -1, dtype=torch.int32)
+    k = 0
+    for b, x in enumerate(per_batch):
+        for j in range(nblk[b]):
+            blk = perm[k]
+            k += 1
+            lo, hi = j * block_size, min((j + 1) * block_size, x.size(0))
+            if first_needed is not None and hi <= first_needed[b]:
+                continue                                       # never read: unmapped
+            table[b, j] = blk
+            if hi > lo:
+                pool[blk, : hi - lo, 0] = x[lo:hi, 0]
+    return pool, table
+
+
+def mla_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, paged: bool = False, seed: int = 0,
+             H: int = 4, D: int = 32, window: int = 16, topk: int = 8, sinks: bool = True,
+             lengths: list[tuple[int, int]] | None = None) -> Case:
+    """A sparse_flash_mla case.  ``ratio`` 1 = SWA (ori only), 4 = CSA (sparse cmp), 128 = HCA
+    (dense cmp).  ``lengths`` = per batch (S1e, S2o); default: ragged chunked/prefill mixes."""
+    g = torch.Generator().manual_seed(seed)
+    r = ratio
+    if lengths is None:
+        if r == 128:
+            lengths = [(12, 300), (0, 140), (20, 20 + 128 * 2 + 5)] if layout == "TND" else [(12, 300), (12, 140), (12, 389)]
+        else:
+            lengths = [(13, 37), (0, 9), (29, 29), (6, 5)] if layout == "TND" else [(14, 37), (14, 14), (14, 26)]
+    B = len(lengths)
+    S1e = [a for a, _ in lengths]
+    S2o = [b for _, b in lengths]
+    wl = window - 1
+    q_rows = [_randn(g, s, H, D, dtype=dtype) for s in S1e]
+    seqused_q = None
+    if layout == "BSND":
+        S1 = S1e[0]
+        assert all(s == S1 for s in S1e), "BSND cases need one query extent"
+        used = [S1, max(S1 - 3, 0)] + [S1] * (B - 2)
+        seqused_q = torch.tensor(used[:B], dtype=torch.int32)
+        for b in range(B):
+            q_rows[b][used[b]:] = NAN                          # padding rows: never read
+    q, cu_q = _pack_rows(q_rows, layout, max(S1e), tail=2)
+    ori_rows = [_randn(g, s, 1, D, dtype=dtype) for s in S2o]
+    first_needed = [max(0, s2 - s1 - wl) for s1, s2 in zip(S1e, S2o)]
+    for b in range(B):
+        ori_rows[b][: first_needed[b]] = NAN                   # older than every window
+    kw: dict = dict(softmax_scale=D ** -0.5, ori_mask_mode=4, ori_win_left=wl, ori_win_right=0,
+                    layout_q=layout, layout_kv="PA_BBND" if paged else layout)
+    if layout == "TND":
+        kw["cu_seqlens_q"] = cu_q
+    else:
+        kw["seqused_q"] = seqused_q
+    if paged:
+        kw["ori_kv"], kw["ori_block_table"] = _page(ori_rows, 16, g, first_needed)
+        kw["seqused_ori_kv"] = torch.tensor(S2o, dtype=torch.int32)
+    else:
+        kw["ori_kv"], cu_o = _pack_rows(ori_rows, layout, max(S2o) + 3, tail=3)
+        if layout == "TND":
+            kw["cu_seqlens_ori_kv"] = cu_o
+        else:
+            kw["seqused_ori_kv"] = torch.tensor(S2o, dtype=torch.int32)
+    if sinks:
+        kw["sinks"] = _randn(g, H, scale=1.5)
+    if r > 1:
+        S2c = [s // r for s in S2o]
+        kw["cmp_ratio"] = r
+        kw["cmp_mask_mode"] = 3
+        kw["cmp_residual_kv"] = torch.tensor([s % r for s in S2o], dtype=torch.int32)
+        cmp_rows = [_randn(g, c, 1, D, dtype=dtype) for c in S2c]
+        if r == 4:                                             # CSA: -1 padded top-k lists
+            idx_rows = []
+            for b in range(B):
+                x = torch.randint(0, S2c[b] + 3, (S1e[b], topk), generator=g, dtype=torch.int32)
+                cut = torch.randint(0, topk + 1, (S1e[b],), generator=g)
+                x[torch.arange(topk)[None, :] >= cut[:, None]] = -1
+                if S1e[b] > 2:
+                    x[1] = -1                                  # an all -1 row
+                    x[2, 0] = x[2, 1]                          # a duplicate
+                idx_rows.append(x[:, None, :])
+                seen = set(x[x >= 0].tolist())
+                for j in range(S2c[b]):
+                    if j not in seen:
+                        cmp_rows[b][j] = NAN                   # no list references it
+            kw["cmp_sparse_indices"] = _pack_int_rows(idx_rows, layout, max(S1e), tail=2)
+        if paged:
+            kw["cmp_kv"], kw["cmp_block_table"] = _page(cmp_rows, 4, g)
+            kw["seqused_cmp_kv"] = torch.tensor(S2c, dtype=torch.int32)
+        else:
+            kw["cmp_kv"], cu_c = _pack_rows(cmp_rows, layout, max(S2c) + 2, tail=2)
+            if layout == "TND":
+                kw["cu_seqlens_cmp_kv"] = cu_c
+            else:
+                kw["seqused_cmp_kv"] = torch.tensor(S2c, dtype=torch.int32)
+    name = f"{SCENARIOS.get(r, f'r{r}')}-r{r}-{layout}{'+PA' if paged else ''}-{str(dtype).split('.')[-1]}"
+    return Case(name, q, kw, {"dout": _randn(g, *q.shape, dtype=dtype)})
+
+
+def _pack_int_rows(per_batch, layout, pad_to, tail=0):
+    """Like :func:`_pack_rows` for int32 index lists; padding rows are -1."""
+    K = per_batch[0].size(-1)
+    if layout == "BSND":
+        out = torch.full((len(per_batch), pad_to, 1, K), -1, dtype=torch.int32)
+        for b, x in enumerate(per_batch):
+            out[b, : x.size(0)] = x
+        return out
+    total = sum(x.size(0) for x in per_batch)
+    return torch.cat(per_batch + [torch.full((tail, 1, K), -1, dtype=torch.int32)]) if total + tail else \
+        torch.full((0, 1, K), -1, dtype=torch.int32)
+
+
+def indexer_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, paged: bool = False, seed: int = 0,
+                 H: int = 4, D: int = 32, topk: int = 8, integer: bool = False) -> Case:
+    """A lightning_indexer case (mask_mode 3).  ``integer=True`` draws small integers so every
+    score is exact and ties are real: fast and golden must then agree exactly."""
+    g = torch.Generator().manual_seed(seed)
+    r = ratio
+    if r == 128:
+        Ls, S1s = ([300, 130, 389], [12, 0, 3]) if layout == "TND" else ([300, 130, 389], [5, 5, 5])
+    else:
+        Ls, S1s = ([42, 9, 30, 7], [42, 0, 5, 9]) if layout == "TND" else ([42, 19, 30], [12, 12, 12])
+    B = len(Ls)
+    Kc = [L // r for L in Ls]
+
+    def draw(*shape, dt=dtype):
+        if integer:
+            return torch.randint(-3, 4, shape, generator=g).to(dt)
+        return _randn(g, *shape, dtype=dt)
+
+    q_rows = [draw(s, H, D) for s in S1s]
+    w_rows = [draw(s, H, dt=torch.float32).abs() + (0 if integer else 0.1) for s in S1s]
+    k_rows = [draw(c, 1, D) for c in Kc]
+    q, cu_q = _pack_rows(q_rows, layout, max(S1s), tail=2)
+    w, _ = _pack_rows(w_rows, layout, max(S1s), tail=2)
+    kw: dict = dict(mask_mode=3, cmp_ratio=r, layout_q=layout, layout_k="PA_BBND" if paged else layout,
+                    cmp_residual_k=torch.tensor([L % r for L in Ls], dtype=torch.int32), return_value=1)
+    if layout == "TND":
+        kw["cu_seqlens_q"] = cu_q
+    if paged:
+        k, kw["block_table"] = _page(k_rows, 4, g)
+        kw["seqused_k"] = torch.tensor(Kc, dtype=torch.int32)
+    else:
+        k, cu_k = _pack_rows(k_rows, layout, max(Kc) + 2, tail=2)
+        if layout == "TND":
+            kw["cu_seqlens_k"] = cu_k
+        else:
+            kw["seqused_k"] = torch.tensor(Kc, dtype=torch.int32)
+    name = f"indexer-r{r}-{layout}{'+PA' if paged else ''}-{str(dtype).split('.')[-1]}"
+    return Case(name, q, kw, {"k": k, "w": w, "topk": topk})
+
+
+def kl_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, seed: int = 0, H: int = 4, D: int = 32,
+            topk: int = 8) -> Case:
+    """A sparse_lightning_indexer_kl_loss_grad case: index lists from the golden indexer, with
+    some -1 ends, skipped (future) indices and duplicates mixed in; a random teacher p."""
+    from .reference import lightning_indexer
+    base = indexer_case(layout, ratio, dtype, seed=seed, H=H, D=D, topk=topk)
+    kw = {k: v for k, v in base.kwargs.items() if k not in ("return_value", "block_table")}
+    g = torch.Generator().manual_seed(seed + 1000)
+    k, w = base.extra["k"], base.extra["w"]
+    idx, _ = lightning_indexer(base.q, k, w, topk, **base.kwargs)
+    idx = idx.clone()
+    flat = idx.view(-1, topk)
+    n = flat.size(0)
+    if n > 3:
+        flat[0, topk // 2:] = -1
+        flat[1, 1] = flat[1, 0]                               # duplicate
+        flat[2, -1] = 10_000                                  # beyond realK: skipped
+    p = torch.rand(idx.shape, generator=g) * 0.2
+    return Case(f"kl-r{ratio}-{layout}-{str(dtype).split('.')[-1]}", base.q, kw,
+                {"k": k, "w": w, "sparse_indices": idx, "p": p})
