@@ -36,12 +36,12 @@ SPARSE_FLASH_MLA_GRAD_SCHEMA = (
 
 
 def _forward_kernel(q, **kw):
-    want_lse = kw.pop("return_softmax_lse")
+    want_lse = kw.pop("return_softmax_lse", False)
     return fast.forward(parse_mla(q, **kw), want_lse)
 
 
 def _forward_fake(q, **kw):
-    want_lse = kw.pop("return_softmax_lse")
+    want_lse = kw.pop("return_softmax_lse", False)
     parse_mla(q, content=False, **kw)
     lse = q.new_empty(lse_shape(q, kw.get("layout_q", "BSND")), dtype=stat_dtype(q)) if want_lse \
         else q.new_zeros((), dtype=stat_dtype(q))

@@ -1,0 +1,18 @@
+import pytest
+import torch
+
+
+@pytest.fixture
+def gen():
+    """A generator seeded fresh per test (inputs differ between runs, reproducible from the seed)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    return g
+
+
+def randn(g, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
