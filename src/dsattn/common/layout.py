@@ -24,7 +24,7 @@ from .checks import check_batch_vector, check_int32, content_checks_enabled, fai
 PAGED = "PA_BBND"
 
 
-def width_bound(static: int, lengths: torch.Tensor) -> int:
+def width_bound(static: int, lengths: torch.Tensor, clamp: bool = True) -> int:
     """Static upper bound of a per-batch length, tightened from the data on the CPU.
 
     On a CPU tensor reading the maximum costs nothing (no device sync); on an accelerator
@@ -33,7 +33,8 @@ def width_bound(static: int, lengths: torch.Tensor) -> int:
     if lengths.numel() == 0:
         return 0
     if lengths.device.type == "cpu" and content_checks_enabled(lengths):
-        return max(0, min(static, int(lengths.max())))
+        longest = int(lengths.max())
+        return max(0, min(static, longest) if clamp else longest)
     return max(0, static)
 
 
@@ -254,5 +255,7 @@ def kv_source(name: str, kv: torch.Tensor, layout: str, B: int, *, cu: torch.Ten
         lengths = extent
     else:
         lengths = paged_default
-    return KVSource(name, kv, layout, lengths, width_bound(capacity, lengths), cu64, block_table,
-                    table_name)
+    # A paged length beyond the table is not clamped: the walk then reaches the missing column
+    # and the dereference check reports the table as too short.
+    return KVSource(name, kv, layout, lengths, width_bound(capacity, lengths, clamp=layout != PAGED), cu64,
+                    block_table, table_name)
