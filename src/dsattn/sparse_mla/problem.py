@@ -113,11 +113,16 @@ class MlaProblem:
         parts = [(self.ori, k.ori_addr, k.ori_mask)]
         if self.cmp is not None:
             parts.append((self.cmp, k.cmp_addr, k.cmp_mask))
-        out = []
+        R = k.valid.size(0)
+        out = torch.empty(R, sum(m.size(1) for _, _, m in parts), self.ori.D, dtype=dtype, device=self.q.device)
+        col = 0
         for src, addr, mask in parts:
-            rows = src.gather(*addr).to(dtype)
-            out.append(torch.where(mask[..., None], rows, torch.zeros((), dtype=dtype, device=rows.device)))
-        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+            w = mask.size(1)
+            block = out[:, col:col + w]
+            block.copy_(src.gather(*addr))
+            block.masked_fill_(~mask[..., None], 0.0)             # assignment: NaN rows become exact 0
+            col += w
+        return out
 
     def rows_per_block(self, extra_per_key: int = 0, budget_bytes: int = 32 << 20) -> int:
         """Query rows per block so that the gathered keys and scores stay within a budget."""
