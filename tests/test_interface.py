@@ -139,9 +139,9 @@ def test_facade_paged_indexer_extension():
 def _compiled_matches(fn, *args):
     torch._dynamo.reset()
     eager = fn(*args)
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+    compiled = torch.compile(fn, fullgraph=True, backend="inductor")(*args)
     for a, b in zip(eager, compiled):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def test_torch_compile_fullgraph_each_op():
@@ -155,13 +155,13 @@ def test_torch_compile_fullgraph_each_op():
     _compiled_matches(fwd_bwd, c.q, c.extra["dout"])
     ic = cases.indexer_case("BSND", 4, torch.float16, seed=5)
 
-    def idx(q, k, w):
+    def idx(q, k, w, p):
         i, v = torch.ops.dsattn.lightning_indexer(q, k, w, 8, **ic.kwargs)
-        p = torch.softmax(torch.where(i >= 0, v, -1e4), -1)
         kl = torch.ops.dsattn.sparse_lightning_indexer_kl_loss_grad(
             q, k, w, i, p, **{x: y for x, y in ic.kwargs.items() if x != "return_value"})
         return (i, v) + tuple(kl)
-    _compiled_matches(idx, ic.q, ic.extra["k"], ic.extra["w"])
+    p = torch.rand(ic.q.shape[:2] + (1, 8))
+    _compiled_matches(idx, ic.q, ic.extra["k"], ic.extra["w"], p)
 
 
 def test_export_traces_forward():
