@@ -25,7 +25,6 @@ def test_facade_gradcheck_float64(gen, scenario, layout):
             kw["cmp_sparse_indices"] = torch.tensor([[1, 0, -1], [0, 2, 1]], dtype=torch.int32)[
                 torch.arange(S) % 2].reshape(1, S, 1, 3)
     if layout == "TND":
-        q2, ori2 = q[0], ori[0]
         kw.update(cu_seq_lens_q=i32(0, S), cu_seq_lens_ori_kv=i32(0, S))
         if cmp is not None:
             kw["cu_seq_lens_cmp_kv"] = i32(0, cmp.size(1))

@@ -172,7 +172,6 @@ def indexer_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, p
         Ls, S1s = ([300, 130, 389], [12, 0, 3]) if layout == "TND" else ([300, 130, 389], [5, 5, 5])
     else:
         Ls, S1s = ([42, 9, 30, 7], [42, 0, 5, 9]) if layout == "TND" else ([42, 19, 30], [12, 12, 12])
-    B = len(Ls)
     Kc = [L // r for L in Ls]
 
     def draw(*shape, dt=dtype):

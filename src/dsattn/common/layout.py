@@ -79,6 +79,14 @@ class QueryRows:
     used: torch.Tensor       # [R] bool, row is a used (non-padding) row
     max_extent: int          # static bound of S1e
 
+    def host_used_rows(self):
+        """Yield ``(b, i, t, S1e)`` for every used row (t = flattened index); reads the data on
+        the host, so it is for the golden references only."""
+        extent, batch, local = host_ints(self.extent), host_ints(self.batch), host_ints(self.local)
+        for t, used in enumerate(self.used.tolist()):
+            if used:
+                yield batch[t], local[t], t, extent[batch[t]]
+
     def flat(self, t: torch.Tensor) -> torch.Tensor:
         """``[B, S1, ...]`` or ``[T1, ...]`` -> ``[R, ...]`` (a view)."""
         return t.reshape(self.R, *t.shape[2:]) if self.layout == "BSND" else t

@@ -15,15 +15,6 @@ from .problem import (IndexerProblem, check_index_pair, check_lightning_attrs, c
                       parse_indexer)
 
 
-def _used_rows(P: IndexerProblem):
-    """Yield (b, i, t, S1e) for every used query row (t = flattened row index)."""
-    rows = P.rows
-    extent, batch, local = host_ints(rows.extent), host_ints(rows.batch), host_ints(rows.local)
-    for t, used in enumerate(rows.used.tolist()):
-        if used:
-            yield batch[t], local[t], t, extent[batch[t]]
-
-
 def _keys(P: IndexerProblem, b: int, js, dtype) -> torch.Tensor:
     return torch.stack([P.k.row(b, j) for j in js]).to(dtype)
 
@@ -43,7 +34,7 @@ def lightning_indexer(q, k, w, topk, *, cu_seqlens_q=None, cu_seqlens_k=None, se
     idx = torch.full((P.rows.R, topk), -1, dtype=torch.int32)
     val = torch.full((P.rows.R, topk), float("-inf"), dtype=torch.float32)
     Kc, resid = host_ints(P.k.lengths), host_ints(P.resid)
-    for b, i, t, S1e in _used_rows(P):
+    for b, i, t, S1e in P.rows.host_used_rows():
         n = indexer_num_valid(Kc[b], P.r, resid[b], S1e, i, mask_mode)
         c = min(n, topk)
         if c <= 0:
@@ -82,7 +73,7 @@ def sparse_lightning_indexer_kl_loss_grad(q, k, w, sparse_indices, attn_softmax_
     dw = torch.zeros(R, H, dtype=cdt)
     soft = torch.zeros(R, idx.size(1), dtype=cdt)
     Kc, resid = host_ints(P.k.lengths), host_ints(P.resid)
-    for b, i, t, S1e in _used_rows(P):
+    for b, i, t, S1e in P.rows.host_used_rows():
         real_k = indexer_num_valid(Kc[b], P.r, resid[b], S1e, i, mask_mode)
         slots = sparse_walk(host_ints(idx[t]), real_k, real_k)
         if not slots:

@@ -17,16 +17,6 @@ from ..common.softmax import round_q
 from .problem import MlaProblem, check_grad_inputs, lse_from_rows, lse_to_rows, parse_mla
 
 
-def _batch_rows(P: MlaProblem):
-    """Yield (b, i, t, S1e) for every used query row: t is the flattened row index."""
-    rows = P.rows
-    extent = host_ints(rows.extent)
-    batch, local, used = host_ints(rows.batch), host_ints(rows.local), rows.used.tolist()
-    for t in range(rows.R):
-        if used[t]:
-            yield batch[t], local[t], t, extent[batch[t]]
-
-
 def _row_keys(P: MlaProblem, b: int, i: int, t: int, S1e: int, lens: dict):
     """(ori positions, cmp (slot, index) pairs) of one used row, or None if the row is invalid."""
     S2o = lens["S2o"][b]
@@ -79,7 +69,7 @@ def sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cm
     out = torch.zeros(R, H, D, dtype=cdt)
     lse = torch.zeros(R, H, dtype=cdt)
     lens = _lengths(P)
-    for b, i, t, S1e in _batch_rows(P):
+    for b, i, t, S1e in P.rows.host_used_rows():
         keys = _row_keys(P, b, i, t, S1e, lens)
         if keys is None or not (keys[0] or keys[1]):
             continue                                           # invalid or empty row: 0 / 0
@@ -134,7 +124,7 @@ def sparse_flash_mla_grad(q, dout, attn_out, softmax_lse, *, ori_kv=None, cmp_kv
         else:
             grad[int(src.cu[b]) + x, 0] += value
 
-    for b, i, t, S1e in _batch_rows(P):
+    for b, i, t, S1e in P.rows.host_used_rows():
         keys = _row_keys(P, b, i, t, S1e, lens)
         if keys is None or not (keys[0] or keys[1]):
             continue
