@@ -68,6 +68,20 @@ def _page(per_batch: list[torch.Tensor], block_size: int, g, first_needed: list[
     return pool, table
 
 
+def _kv_branch(kw: dict, branch: str, rows, lengths, layout, paged, g, *, block_size, pad, first_needed=None):
+    """Put one KV branch (``ori`` or ``cmp``) into ``kw``: paged pool + table + seqused, or a
+    BSND / TND tensor with seqused / cu_seqlens."""
+    if paged:
+        kw[f"{branch}_kv"], kw[f"{branch}_block_table"] = _page(rows, block_size, g, first_needed)
+        kw[f"seqused_{branch}_kv"] = torch.tensor(lengths, dtype=torch.int32)
+        return
+    kw[f"{branch}_kv"], cu = _pack_rows(rows, layout, max(lengths) + pad, tail=pad)
+    if layout == "TND":
+        kw[f"cu_seqlens_{branch}_kv"] = cu
+    else:
+        kw[f"seqused_{branch}_kv"] = torch.tensor(lengths, dtype=torch.int32)
+
+
 def mla_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, paged: bool = False, seed: int = 0,
              H: int = 4, D: int = 32, window: int = 16, topk: int = 8, sinks: bool = True,
              lengths: list[tuple[int, int]] | None = None) -> Case:
@@ -104,15 +118,7 @@ def mla_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, paged
         kw["cu_seqlens_q"] = cu_q
     else:
         kw["seqused_q"] = seqused_q
-    if paged:
-        kw["ori_kv"], kw["ori_block_table"] = _page(ori_rows, 16, g, first_needed)
-        kw["seqused_ori_kv"] = torch.tensor(S2o, dtype=torch.int32)
-    else:
-        kw["ori_kv"], cu_o = _pack_rows(ori_rows, layout, max(S2o) + 3, tail=3)
-        if layout == "TND":
-            kw["cu_seqlens_ori_kv"] = cu_o
-        else:
-            kw["seqused_ori_kv"] = torch.tensor(S2o, dtype=torch.int32)
+    _kv_branch(kw, "ori", ori_rows, S2o, layout, paged, g, block_size=16, pad=3, first_needed=first_needed)
     if sinks:
         kw["sinks"] = _randn(g, H, scale=1.5)
     if r > 1:
@@ -136,15 +142,7 @@ def mla_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, paged
                     if j not in seen:
                         cmp_rows[b][j] = NAN                   # no list references it
             kw["cmp_sparse_indices"] = _pack_int_rows(idx_rows, layout, max(S1e), tail=2)
-        if paged:
-            kw["cmp_kv"], kw["cmp_block_table"] = _page(cmp_rows, 4, g)
-            kw["seqused_cmp_kv"] = torch.tensor(S2c, dtype=torch.int32)
-        else:
-            kw["cmp_kv"], cu_c = _pack_rows(cmp_rows, layout, max(S2c) + 2, tail=2)
-            if layout == "TND":
-                kw["cu_seqlens_cmp_kv"] = cu_c
-            else:
-                kw["seqused_cmp_kv"] = torch.tensor(S2c, dtype=torch.int32)
+        _kv_branch(kw, "cmp", cmp_rows, S2c, layout, paged, g, block_size=4, pad=2)
     name = f"{SCENARIOS.get(r, f'r{r}')}-r{r}-{layout}{'+PA' if paged else ''}-{str(dtype).split('.')[-1]}"
     return Case(name, q, kw, {"dout": _randn(g, *q.shape, dtype=dtype)})
 

@@ -95,8 +95,10 @@ def kl_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
     args = (case.q, case.extra["k"], case.extra["w"], case.extra["sparse_indices"], case.extra["p"])
     got = _impl("sparse_lightning_indexer_kl_loss_grad", impl)(*args, **case.kwargs)
     want = reference.sparse_lightning_indexer_kl_loss_grad(*args, **case.kwargs)
-    want64 = reference.sparse_lightning_indexer_kl_loss_grad(*args, compute_dtype=torch.float64, **case.kwargs) \
-        if case.q.dtype == torch.float32 else [None] * 4
+    # The KL gradient gates by relu'(S): a score within rounding distance of 0 sits on either side
+    # in fp32 and float64, switching a whole term on or off, and dI = y*psum - p cancels.  Per-element
+    # 1e-5 is therefore not attainable for it; its fp32 outputs use the spec's standard rule (00 §11).
+    want64 = [None] * 4
     return [Row(case.name, n, _rule(a, e, e64)) for n, a, e, e64 in zip(("dq", "dk", "dw", "softmax_out"), got, want,
                                                                           want64)]
 
