@@ -203,7 +203,7 @@ def kl_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, seed: 
             topk: int = 8) -> Case:
     """A sparse_lightning_indexer_kl_loss_grad case: index lists from the golden indexer, with
     some -1 ends, skipped (future) indices and duplicates mixed in; a random teacher p."""
-    from .reference import lightning_indexer
+    from ..reference import lightning_indexer
     base = indexer_case(layout, ratio, dtype, seed=seed, H=H, D=D, topk=topk)
     kw = {k: v for k, v in base.kwargs.items() if k not in ("return_value", "block_table")}
     g = torch.Generator().manual_seed(seed + 1000)

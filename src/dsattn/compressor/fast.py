@@ -1,0 +1,157 @@
+"""Vectorised compressor (30-compressor §2, §4): one GEMM pair for every new token of every
+batch, then the gated softmax pooling of all emitted groups at once, in blocks of output
+rows so the gathered slots stay within a fixed memory budget.
+
+The slots of an output row are gathered by index from the new tokens' projections or, for
+positions before ``start_pos``, from the state cache; the state rows of the new tokens are
+written after every read, so reads see the pre-call state (§2.3).  Nothing reads tensor
+data on the host except the content checks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .problem import CompressorProblem
+
+BUDGET_BYTES = 32 << 20
+
+
+@dataclass
+class Saved:
+    """What the backward needs per emitted slot (§4)."""
+    W: torch.Tensor        # [N_out, coff·r, D] softmax weights
+    kv: torch.Tensor       # [N_out, coff·r, D] slot values
+    x_row: torch.Tensor    # [N_out, coff·r] row of x holding the slot's token
+    half: torch.Tensor     # [coff·r] which D-wide half of the projection the slot uses
+    new: torch.Tensor      # [N_out, coff·r] slot is a new token of this call
+    valid: torch.Tensor    # [N_out] output row holds an entry
+
+
+def project(pb: CompressorProblem):
+    """kv_new, sc_new ``[Rx, coff·D]`` in the compute dtype for every row of x (§2.1)."""
+    cd = pb.compute_dtype
+    X = pb.x_rows.to(cd)
+    _, pos, _ = pb.x_row_info()
+    kv = X @ pb.wkv.to(cd).T
+    sc = torch.addmm(pb.ape.to(cd)[pos % pb.r], X, pb.wgate.to(cd).T)
+    return kv, sc
+
+
+def _slot_half(pb: CompressorProblem) -> torch.Tensor:
+    s = torch.arange(pb.coff * pb.r, device=pb.x.device)
+    return (s >= pb.r).long() if pb.coff == 2 else torch.zeros_like(s)
+
+
+def pool(pb: CompressorProblem, kv_new, sc_new, o0: int, o1: int, save: bool):
+    """Entries of output rows ``[o0, o1)``: returns (C ``[n, D]``, valid ``[n]``, slot data if ``save``)."""
+    coff, r, D = pb.coff, pb.r, pb.D
+    ob, k, valid = (t[o0:o1] for t in pb.out_row_info())
+    half = _slot_half(pb)
+    pos = (k[:, None] - (coff - 1)) * r + torch.arange(coff * r, device=k.device)[None]
+    sp = pb.sp[ob][:, None]
+    live = valid[:, None] & (pos >= 0)
+    new = live & (pos >= sp)
+    hist = live & (pos < sp)
+    x_row = torch.where(new, pb.base[ob][:, None] + pos - sp, torch.zeros_like(pos))
+    kv = kv_new.view(-1, coff, D)[x_row, half]
+    sc = sc_new.view(-1, coff, D)[x_row, half]
+    loc, _ = pb.state_location(ob[:, None], pos, hist, reading=True)
+    flat_state = pb.state.view(-1, 2, coff, D)
+    if flat_state.size(0):
+        st = flat_state[loc, :, half].to(kv.dtype)          # [n, coff·r, 2, D]
+        kv = torch.where(hist[..., None], st[..., 0, :], kv)
+        sc = torch.where(hist[..., None], st[..., 1, :], sc)
+    kv = torch.where(live[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
+    # k == 0 prev slots carry no weight (-inf); rows without an entry get a harmless 0 score.
+    dead = torch.where(valid[:, None], float("-inf"), 0.0).to(sc.dtype)
+    sc = torch.where(live[..., None], sc, dead[..., None])
+    W = torch.softmax(sc, dim=1)
+    C = (W * kv).sum(1)
+    C = torch.where(valid[:, None], C, torch.zeros((), dtype=C.dtype, device=C.device))
+    return C, valid, ((W, kv, x_row, new) if save else None)
+
+
+def write_state(pb: CompressorProblem, kv_new, sc_new) -> None:
+    """Write every backed new token's ``[kv | score]`` row (§2.3), without reading device data.
+
+    Rows that must not be written are redirected to the first backed row's (target, value), so
+    one fixed-size ``index_put_`` does the whole write; when no row is backed the redirected
+    write stores row 0's own contents back (bit-identical)."""
+    if pb.table is None or pb.state.numel() == 0:
+        return
+    b, pos, used = pb.x_row_info()
+    loc, backed = pb.state_location(b, pos, used, reading=False)
+    flat_state = pb.state.view(-1, pb.state.size(-1))
+    vals = torch.cat([kv_new, sc_new], dim=1).to(flat_state.dtype)
+    first = torch.argmax(backed.to(torch.int8))
+    any_backed = backed[first]
+    target0 = loc[first]
+    value0 = torch.where(any_backed, vals[first], flat_state[target0])
+    target = torch.where(backed, loc, target0)
+    value = torch.where(backed[:, None], vals, value0[None])
+    flat_state.index_put_((target,), value)
+
+
+def _block_rows(pb: CompressorProblem) -> int:
+    per_row = pb.coff * pb.r * pb.D * 4 * 8     # kv, sc, W, state gather, temporaries (fp32)
+    return max(1, BUDGET_BYTES // max(per_row, 1))
+
+
+def compress(pb: CompressorProblem, save: bool = False):
+    """All emitted entries: (C ``[N_out, D]`` compute dtype, valid ``[N_out]``, Saved or None).
+    Writes the state cache."""
+    kv_new, sc_new = project(pb)
+    step = pb.N_out if save else _block_rows(pb)
+    parts = [pool(pb, kv_new, sc_new, o0, min(o0 + step, pb.N_out), save) for o0 in range(0, pb.N_out, step)]
+    write_state(pb, kv_new, sc_new)
+    if not parts:
+        C = kv_new.new_zeros((0, pb.D))
+        valid = torch.zeros(0, dtype=torch.bool, device=C.device)
+        saved = None
+        if save:
+            z = kv_new.new_zeros((0, pb.coff * pb.r, pb.D))
+            zi = torch.zeros((0, pb.coff * pb.r), dtype=torch.long, device=C.device)
+            saved = Saved(z, z, zi, _slot_half(pb), zi.bool(), valid)
+        return C, valid, saved
+    C = torch.cat([p[0] for p in parts])
+    valid = torch.cat([p[1] for p in parts])
+    saved = None
+    if save:
+        W, kv, x_row, new = parts[0][2]
+        saved = Saved(W, kv, x_row, _slot_half(pb), new, valid)
+    return C, valid, saved
+
+
+def forward(pb: CompressorProblem) -> torch.Tensor:
+    C, _, _ = compress(pb)
+    return C.to(pb.x.dtype).reshape(pb.out_shape)
+
+
+def backward(pb: CompressorProblem, saved: Saved, grad: torch.Tensor):
+    """§4: gradients for x, wkv, wgate, ape (state reads are constants)."""
+    cd = pb.compute_dtype
+    coff, D, r = pb.coff, pb.D, pb.r
+    Rx = pb.x_rows.size(0)
+    dC = grad.reshape(-1, D).to(cd)
+    dC = torch.where(saved.valid[:, None], dC, torch.zeros((), dtype=cd, device=dC.device))
+    W = saved.W
+    dKV = W * dC[:, None]
+    dW = saved.kv * dC[:, None]
+    dZ = W * (dW - (W * dW).sum(1, keepdim=True))
+    zero = torch.zeros((), dtype=cd, device=dC.device)
+    keep = saved.new[..., None]
+    idx = (saved.x_row.reshape(-1), saved.half.expand_as(saved.x_row).reshape(-1))
+    dkv_new = torch.zeros(Rx, coff, D, dtype=cd, device=dC.device)
+    dsc_new = torch.zeros(Rx, coff, D, dtype=cd, device=dC.device)
+    dkv_new.index_put_(idx, torch.where(keep, dKV, zero).reshape(-1, D), accumulate=True)
+    dsc_new.index_put_(idx, torch.where(keep, dZ, zero).reshape(-1, D), accumulate=True)
+    dkv_new, dsc_new = dkv_new.view(Rx, coff * D), dsc_new.view(Rx, coff * D)
+    _, pos, used = pb.x_row_info()
+    dape = torch.zeros(r, coff * D, dtype=cd, device=dC.device).index_add_(0, pos % r, dsc_new)
+    X = torch.where(used[:, None], pb.x_rows.to(cd), zero)    # padding rows may hold anything
+    dx = (dkv_new @ pb.wkv.to(cd) + dsc_new @ pb.wgate.to(cd)).to(pb.x.dtype).reshape(pb.x.shape)
+    dwkv = (dkv_new.T @ X).to(pb.wkv.dtype)
+    dwgate = (dsc_new.T @ X).to(pb.wgate.dtype)
+    return dx, dwkv, dwgate, dape.to(pb.ape.dtype)
