@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.paged import write_rows
 from .problem import CompressorProblem
 
 BUDGET_BYTES = 32 << 20
@@ -74,24 +75,12 @@ def pool(pb: CompressorProblem, kv_new, sc_new, o0: int, o1: int, save: bool):
 
 
 def write_state(pb: CompressorProblem, kv_new, sc_new) -> None:
-    """Write every backed new token's ``[kv | score]`` row (§2.3), without reading device data.
-
-    Rows that must not be written are redirected to the first backed row's (target, value), so
-    one fixed-size ``index_put_`` does the whole write; when no row is backed the redirected
-    write stores row 0's own contents back (bit-identical)."""
-    if pb.table is None or pb.state.numel() == 0:
+    """Write every backed new token's ``[kv | score]`` row (§2.3), without reading device data."""
+    if pb.table is None:
         return
     b, pos, used = pb.x_row_info()
     loc, backed = pb.state_location(b, pos, used, reading=False)
-    flat_state = pb.state.view(-1, pb.state.size(-1))
-    vals = torch.cat([kv_new, sc_new], dim=1).to(flat_state.dtype)
-    first = torch.argmax(backed.to(torch.int8))
-    any_backed = backed[first]
-    target0 = loc[first]
-    value0 = torch.where(any_backed, vals[first], flat_state[target0])
-    target = torch.where(backed, loc, target0)
-    value = torch.where(backed[:, None], vals, value0[None])
-    flat_state.index_put_((target,), value)
+    write_rows(pb.state.view(-1, pb.state.size(-1)), loc, backed, torch.cat([kv_new, sc_new], dim=1))
 
 
 def _block_rows(pb: CompressorProblem) -> int:

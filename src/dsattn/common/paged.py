@@ -1,0 +1,26 @@
+"""Writes into paged caches shared by the compressor state cache and the quantised KV cache.
+
+A cache write skips some rows (slot -1, block 0, a -1 table entry).  Selecting the kept rows
+with a boolean mask has a data-dependent size, which forces a device-to-host sync and breaks
+graph capture; :func:`write_rows` instead does one fixed-size ``index_put_``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def write_rows(flat_cache: torch.Tensor, target: torch.Tensor, keep: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat_cache[target[i]] = values[i]`` for every ``i`` with ``keep[i]``; other rows untouched.
+
+    Skipped rows are redirected to the first kept row's (target, value), so the duplicate
+    writes store identical bytes; when nothing is kept, the redirected write stores the
+    cache's own row ``target[0]`` back (which must then be a valid index, e.g. 0)."""
+    if target.numel() == 0 or flat_cache.size(0) == 0:
+        return
+    values = values.to(flat_cache.dtype)
+    first = torch.argmax(keep.to(torch.int8))
+    target0 = torch.where(keep[first], target[first], torch.zeros_like(target[first]))
+    value0 = torch.where(keep[first], values[first], flat_cache[target0])
+    shape = (-1,) + (1,) * (values.dim() - 1)
+    flat_cache.index_put_((torch.where(keep, target, target0),),
+                          torch.where(keep.view(shape), values, value0[None]))

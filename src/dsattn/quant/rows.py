@@ -1,0 +1,74 @@
+"""Packed cache rows (40-kv-quant §2): ``[nope payload | rope as 16-bit bytes | fp32 scales]``.
+
+With kv_lora_rank 512 and tile 128: 656 bytes with RoPE 64, 528 bytes with RoPE 0.  The row
+tensor has the payload dtype (one byte per element); the rope and scale fields are raw bit
+patterns in native (little-endian) byte order.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.checks import fail
+from .block import PAYLOAD_DTYPES, dequant_block
+
+KV_LORA_RANK = 512
+TILE_SIZE = 128
+
+
+def row_width(kv_lora_rank: int = KV_LORA_RANK, rope_head_dim: int = 64, tile_size: int = TILE_SIZE) -> int:
+    """Bytes per packed row: ``kv_lora_rank + 2·rope_head_dim + 4·kv_lora_rank / tile_size``."""
+    if kv_lora_rank % tile_size:
+        fail("kv_lora_rank", f"value {kv_lora_rank} is not a multiple of tile_size={tile_size}")
+    return kv_lora_rank + 2 * rope_head_dim + 4 * (kv_lora_rank // tile_size)
+
+
+def nope_width(width: int, rope_head_dim: int, tile_size: int = TILE_SIZE) -> int:
+    """kv_lora_rank of a row of ``width`` bytes (inverse of :func:`row_width`)."""
+    n = (width - 2 * rope_head_dim) * tile_size
+    if n <= 0 or n % (tile_size + 4):
+        fail("packed", f"row width {width} does not fit rope_head_dim={rope_head_dim}, tile_size={tile_size}")
+    return n // (tile_size + 4)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def pack_kv_rows(nope_q: torch.Tensor, scales: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed rows ``[..., W]`` (dtype of ``nope_q``) from payload, fp32 scales and 16-bit rope."""
+    if nope_q.dtype not in PAYLOAD_DTYPES:
+        fail("nope_q", f"dtype {nope_q.dtype} is not supported; expected int8 or float8_e4m3fn", TypeError)
+    if scales.dtype != torch.float32:
+        fail("scales", f"dtype {scales.dtype} is not supported; expected torch.float32", TypeError)
+    parts = [_bytes(nope_q)]
+    if rope is not None:
+        if rope.dtype not in (torch.bfloat16, torch.float16):
+            fail("rope", f"dtype {rope.dtype} is not supported; expected bfloat16 or float16", TypeError)
+        parts.append(_bytes(rope))
+    parts.append(_bytes(scales))
+    return torch.cat(parts, dim=-1).view(nope_q.dtype)
+
+
+def unpack_kv_rows(packed: torch.Tensor, rope_head_dim: int, rope_dtype: torch.dtype = torch.bfloat16,
+                   tile_size: int = TILE_SIZE):
+    """Inverse of :func:`pack_kv_rows`: ``(nope_q, rope or None, scales)``."""
+    N = nope_width(packed.size(-1), rope_head_dim, tile_size)
+    u8 = packed.view(torch.uint8)
+    nope = packed[..., :N]
+    rope = u8[..., N:N + 2 * rope_head_dim].contiguous().view(rope_dtype) if rope_head_dim else None
+    off = N + 2 * rope_head_dim
+    scales = u8[..., off:off + 4 * (N // tile_size)].contiguous().view(torch.float32)
+    return nope, rope, scales
+
+
+def dequant_kv_rows(packed: torch.Tensor, rope_head_dim: int, out_dtype: torch.dtype,
+                    rope_dtype: torch.dtype | None = None, tile_size: int = TILE_SIZE):
+    """``(k, v)``: ``k = [dequant(nope) | rope]``, ``v = dequant(nope)``, both ``out_dtype``."""
+    if rope_dtype is None:
+        if out_dtype not in (torch.bfloat16, torch.float16):
+            fail("rope_dtype", f"must be given when out_dtype is {out_dtype} (the rope bytes are bf16 or fp16)")
+        rope_dtype = out_dtype
+    nope, rope, scales = unpack_kv_rows(packed, rope_head_dim, rope_dtype, tile_size)
+    v = dequant_block(nope, scales, tile_size, out_dtype)
+    k = torch.cat([v, rope.to(out_dtype)], dim=-1) if rope is not None else v
+    return k, v
