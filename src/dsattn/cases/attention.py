@@ -27,17 +27,17 @@ def _randn(g, *shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
-def _pack_rows(per_batch: list[torch.Tensor], layout: str, pad_to: int | None, tail: int = 0):
+def _pack_rows(per_batch: list[torch.Tensor], layout: str, pad_to: int | None, tail: int = 0, fill=NAN):
     """Stack per-batch row tensors ``[n_b, ...]`` as BSND ``[B, pad_to, ...]`` or TND
-    ``[sum n_b + tail, ...]``; rows beyond each batch's own rows are NaN."""
+    ``[sum n_b + tail, ...]``; rows beyond each batch's own rows are ``fill`` (NaN)."""
     dtype, rest = per_batch[0].dtype, per_batch[0].shape[1:]
     if layout == "BSND":
-        out = torch.full((len(per_batch), pad_to, *rest), NAN, dtype=dtype)
+        out = torch.full((len(per_batch), pad_to, *rest), fill, dtype=dtype)
         for b, x in enumerate(per_batch):
             out[b, : x.size(0)] = x
         return out, None
     total = sum(x.size(0) for x in per_batch)
-    out = torch.full((total + tail, *rest), NAN, dtype=dtype)
+    out = torch.full((total + tail, *rest), fill, dtype=dtype)
     cu = [0]
     for x in per_batch:
         out[cu[-1]: cu[-1] + x.size(0)] = x
@@ -45,14 +45,14 @@ def _pack_rows(per_batch: list[torch.Tensor], layout: str, pad_to: int | None, t
     return out, torch.tensor(cu, dtype=torch.int32)
 
 
-def _page(per_batch: list[torch.Tensor], block_size: int, g, first_needed: list[int] | None = None):
+def _page(per_batch: list[torch.Tensor], block_size: int, g, first_needed: list[int] | None = None, fill=NAN):
     """Paged pool ``[num_blocks, bs, 1, D]`` + int32 block table.  Blocks that hold only rows
-    before ``first_needed[b]`` are left unmapped (-1); spare pool blocks are NaN."""
+    before ``first_needed[b]`` are left unmapped (-1); spare pool blocks are ``fill`` (NaN)."""
     D, dtype = per_batch[0].size(-1), per_batch[0].dtype
     nblk = [max(1, -(-x.size(0) // block_size)) for x in per_batch]
     total = sum(nblk) + 3
     perm = torch.randperm(total, generator=g).tolist()
-    pool = torch.full((total, block_size, 1, D), NAN, dtype=dtype)
+    pool = torch.full((total, block_size, 1, D), fill, dtype=dtype)
     table = torch.full((len(per_batch), max(nblk) + 1), -1, dtype=torch.int32)
     k = 0
     for b, x in enumerate(per_batch):

@@ -1,0 +1,82 @@
+"""Vectorised ``kv_quant_sparse_flash_attention`` (40-kv-quant §4.4) for any torch device.
+
+Query rows are processed in blocks sized to a memory budget.  For a block, every listed
+sparse block of every row is expanded to its ``sparse_block_size`` candidate tokens, the
+candidates' packed rows are gathered by address (never a copy of the cache), unpacked and
+dequantised in fp32 (then rounded to the query dtype), and attended with the nope and rope
+dot products formed separately (§4.5 makes the rope-0 and rope-64 forms bit-identical).
+Shapes depend only on tensor extents, never on tensor values.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.checks import content_checks_enabled
+from ..common.softmax import round_q, softmax_with_sink
+from ..quant.rows import KV_LORA_RANK, TILE_SIZE, unpack_kv_rows
+from .problem import QsfaProblem
+
+BUDGET_BYTES = 32 << 20
+
+
+def candidate_tokens(P: QsfaProblem, t0: int, t1: int):
+    """Token positions ``[n, K·bs]`` of rows ``[t0, t1)`` and the mask of visible ones."""
+    rows, bs = P.rows, P.block
+    b, i = rows.batch[t0:t1], rows.local[t0:t1]
+    S1, S2 = rows.extent[b], P.kv.lengths[b]
+    thr = S2 - S1 + i + 1 if P.causal else S2
+    idx = P.idx[t0:t1].to(torch.int64)
+    K = idx.size(1)
+    n_blocks = torch.clamp(torch.div(thr + bs - 1, bs, rounding_mode="floor"), 0, K)
+    listed = torch.cumprod((idx >= 0).to(torch.int32), dim=1).bool()      # -1 ends the list
+    slot = torch.arange(K, device=idx.device)
+    block_ok = listed & (slot[None] < n_blocks[:, None]) & (idx * bs < thr[:, None])
+    tok = idx[:, :, None] * bs + torch.arange(bs, device=idx.device)
+    end = torch.minimum(S2, thr)
+    mask = block_ok[:, :, None] & (tok < end[:, None, None]) & rows.used[t0:t1, None, None]
+    return b, tok.flatten(1), mask.flatten(1)
+
+
+def _rows_per_block(P: QsfaProblem) -> int:
+    H = P.query.size(-2)
+    per_row = P.width * (P.kv.D + 4 * (2 * KV_LORA_RANK + P.R) + 3 * 4 * H)
+    return max(1, min(P.rows.R, BUDGET_BYTES // max(per_row, 1)))
+
+
+def forward(P: QsfaProblem, want_stats: bool):
+    q = P.query
+    qf = P.rows.flat(q)
+    R, H, _ = qf.shape
+    dev = q.device
+    out = torch.empty(R, H, KV_LORA_RANK, dtype=q.dtype, device=dev)
+    smax = torch.empty(R, H, dtype=torch.float32, device=dev)
+    ssum = torch.empty(R, H, dtype=torch.float32, device=dev)
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    step = _rows_per_block(P)
+    check = content_checks_enabled(P.query, P.kv.tensor)
+    for t0 in range(0, R, step):
+        t1 = min(R, t0 + step)
+        b, tok, mask = candidate_tokens(P, t0, t1)
+        i0, i1 = P.kv.locate(b[:, None], tok, mask, check=check)
+        packed = P.kv.gather(i0, i1)                                   # [n, W, row bytes]
+        nope, rope, scales = unpack_kv_rows(packed, P.R, q.dtype)
+        knope = nope.float().unflatten(-1, (-1, TILE_SIZE)) * scales[..., None]
+        knope = round_q(knope.flatten(-2), q.dtype)
+        knope = torch.where(mask[..., None], knope, zero)              # unselected rows may hold NaN bytes
+        qb = qf[t0:t1].float()
+        s = torch.einsum("rhd,rwd->rhw", qb[..., :KV_LORA_RANK].contiguous(), knope)
+        if P.R:
+            kr = torch.where(mask[..., None], rope.float(), zero)
+            s = s + torch.einsum("rhd,rwd->rhw", qb[..., KV_LORA_RANK:].contiguous(), kr)
+        s = P.scale * s
+        e, l, m = softmax_with_sink(s, mask, P.sinks)
+        o = torch.einsum("rhw,rwd->rhd", round_q(e, q.dtype), knope) / l[..., None]
+        ok = mask.any(-1)[:, None]
+        out[t0:t1] = torch.where(ok[..., None], o, zero).to(q.dtype)
+        smax[t0:t1] = torch.where(ok, m, zero)
+        ssum[t0:t1] = torch.where(ok, l, zero)
+    attn = P.rows.unflat(out, q)
+    if not want_stats:
+        empty = torch.zeros(0, dtype=torch.float32, device=dev)
+        return attn, empty, empty.clone()
+    return attn, smax.reshape(P.stats_shape()), ssum.reshape(P.stats_shape())
