@@ -103,6 +103,99 @@ def kl_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
                                                                           want64)]
 
 
+def state_rule(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor) -> testing.Comparison:
+    """Cache rows the golden left untouched must stay bit-identical; written rows follow the
+    standard rule (30 §7)."""
+    bits = lambda t: t.reshape(t.size(0) * t.size(1), -1).contiguous().view(torch.int32)  # noqa: E731
+    untouched = (bits(expected) == bits(before)).all(-1)
+    same = bool((bits(actual)[untouched] == bits(before)[untouched]).all())
+    written = testing.standard_close(actual.reshape(-1, actual.size(-1))[~untouched],
+                                     expected.reshape(-1, expected.size(-1))[~untouched])
+    detail = f"{int((~untouched).sum())} rows written; untouched rows {'identical' if same else 'CHANGED'}"
+    return testing.Comparison("state", same and written.passed, written.max_abs, written.fraction, detail)
+
+
+def compressor_rows(case: cases.CompressorCase, impl: str = "ops") -> list[Row]:
+    """Output, written state rows, the training gradients and the fused inference output.
+    fp32 cases are held to 1e-5 against the golden evaluated in float64."""
+    fn = _impl("compressor", impl)
+    f64 = case.args[0].dtype == torch.float32
+
+    def golden(compute_dtype=None):
+        args = case.clone_args()
+        leaves = [t.requires_grad_() for t in (args[0], args[1], args[2], args[4])]
+        return reference.compressor(*args, compute_dtype=compute_dtype, **case.kwargs), leaves, args[3]
+
+    got_args = case.clone_args()
+    leaves = [t.requires_grad_() for t in (got_args[0], got_args[1], got_args[2], got_args[4])]
+    out = fn(*got_args, **case.kwargs)
+    want, want_leaves, want_state = golden()
+    want64, leaves64, _ = golden(torch.float64) if f64 else (None, None, None)
+    rows = [Row(case.name, "cmp_kv", _rule(out, want, want64)),
+            Row(case.name, "state_cache", state_rule(got_args[3], want_state, case.args[3]))]
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    got_grads = torch.autograd.grad(out, leaves, g)
+    want_grads = torch.autograd.grad(want, want_leaves, g)
+    grads64 = torch.autograd.grad(want64, leaves64, g) if f64 else [None] * 4
+    for n, a, e, e64 in zip(("dx", "dwkv", "dwgate", "dape"), got_grads, want_grads, grads64):
+        rows.append(Row(case.name, n, _rule(a, e, e64)))
+    inf_args, inf_kw = case.inference_args()
+    got_inf = _impl("compressor_inference", impl)(*inf_args, **inf_kw)
+    want_inf = reference.compressor_inference(*case.inference_args()[0], **inf_kw)
+    want_inf64 = reference.compressor_inference(*case.inference_args()[0], compute_dtype=torch.float64,
+                                                **inf_kw) if f64 else None
+    rows.append(Row(case.name, "cmp_kv (inference)", _rule(got_inf, want_inf, want_inf64)))
+    return rows
+
+
+def qsfa_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
+    key, idx = case.extra["key"], case.extra["sparse_indices"]
+    got = _impl("kv_quant_sparse_flash_attention", impl)(case.q, key, key, idx, **case.kwargs)
+    want = reference.kv_quant_sparse_flash_attention(case.q, key, key, idx, **case.kwargs)
+    rows = [Row(case.name, "attention_out", testing.compare(got[0], want[0]))]
+    if case.kwargs.get("return_softmax_lse"):
+        rows += [Row(case.name, "softmax_max", testing.standard_close(got[1], want[1])),
+                 Row(case.name, "softmax_sum", testing.standard_close(got[2], want[2]))]
+    return rows
+
+
+def compressor_cases(dtypes) -> list[cases.CompressorCase]:
+    """The three supported combinations (at test-sized D) x 3-D / 2-D x both cache modes."""
+    out = []
+    for (D, coff, r) in ((64, 2, 4), (32, 2, 4), (64, 1, 16)):
+        for packed in (False, True):
+            for mode in (1, 2):
+                for dt in dtypes:
+                    starts, lengths = ((0, 5, 3, 9), (13, 7, 0, 4)) if r == 4 else ((0, 20, 7), (37, 30, 5))
+                    out.append(cases.compressor_case(D=D, coff=coff, r=r, dtype=dt, packed=packed, cache_mode=mode,
+                                                     starts=starts, lengths=lengths,
+                                                     seed=hash((D, coff, r, packed, mode, str(dt))) % 10_000))
+    return out
+
+
+def qsfa_cases(quick: bool) -> list[cases.Case]:
+    """40 §4.8: layout pairs x B = 1 / ragged B = 3 x fp16 / bf16 x RoPE 0 / 64 x LSE off / on, then
+    int8 / fp8 x sparse block 1 / 4 x sparse mode 0 / 3 x sinks on / off."""
+    out = []
+    pairs = (("BSND", "PA_BSND"), ("TND", "PA_BSND"), ("TND", "TND"))
+    for n, (lq, lk) in enumerate(pairs):
+        for single in (True, False):
+            for dt in (torch.float16, torch.bfloat16):
+                for rope in (0, 64):
+                    for lse in ((True,) if quick else (False, True)):
+                        lengths = [(3, 29)] if single else None
+                        out.append(cases.qsfa_case(lq, lk, dt, rope_head_dim=rope, lse=lse, lengths=lengths,
+                                                   seed=len(out)))
+    for payload in (torch.int8, torch.float8_e4m3fn):
+        for sb in (1, 4):
+            for mode in (0, 3):
+                for sinks in (False, True):
+                    lq, lk = pairs[len(out) % 3]
+                    out.append(cases.qsfa_case(lq, lk, torch.bfloat16, payload=payload, sparse_block_size=sb,
+                                               sparse_mode=mode, sinks=sinks, seed=len(out)))
+    return out
+
+
 def matrix(impl: str = "ops", quick: bool = False, progress: Callable | None = None) -> list[Row]:
     """Run the whole parity matrix; ``quick`` keeps fp16 and bf16 only and skips paged cases."""
     dtypes = DTYPES[:2] if quick else DTYPES
@@ -122,6 +215,9 @@ def matrix(impl: str = "ops", quick: bool = False, progress: Callable | None = N
                                 mla_rows(cases.mla_case(layout, r, dt, paged=True, seed=seed + 1), impl))
                     jobs.append(lambda layout=layout, r=r, dt=dt, seed=seed:
                                 indexer_rows(cases.indexer_case(layout, r, dt, paged=True, seed=seed + 1), impl))
+    if impl != "facade":                                                 # the npu_* interface has neither
+        jobs += [lambda c=c: compressor_rows(c, impl) for c in compressor_cases(dtypes)]
+        jobs += [lambda c=c: qsfa_rows(c, impl) for c in qsfa_cases(quick)]
     rows: list[Row] = []
     for n, job in enumerate(jobs):
         rows.extend(job())

@@ -55,3 +55,13 @@ def kv_rmsnorm_rope_quant_cache(kv, gamma, cos, sin, kv_cache, slot_mapping, *, 
         if int(slot_mapping[t]) >= 0:
             p.flat_cache[int(slot_mapping[t])] = row
     return torch.stack(out)
+
+
+def dequant_block(y: torch.Tensor, scale: torch.Tensor, tile_size: int = 128, out_dtype=None):
+    """``fp32(y) · scale`` tile by tile in NumPy float32, rounded to ``out_dtype``."""
+    v = y.detach().cpu().float().reshape(-1, y.size(-1)).numpy()
+    s = scale.detach().cpu().reshape(v.shape[0], -1).numpy()
+    out = np.empty_like(v)
+    for t in range(s.shape[1]):
+        out[:, t * tile_size:(t + 1) * tile_size] = v[:, t * tile_size:(t + 1) * tile_size] * s[:, t:t + 1]
+    return torch.from_numpy(out).reshape(y.shape).to(out_dtype or torch.float32).to(y.device)
