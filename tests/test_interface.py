@@ -36,6 +36,29 @@ SCHEMAS["sparse_flash_mla"] = ([("q", P, E)] + _MLA_COMMON + [("ori_block_table"
                                + [("topk_value_mode", K, 1), ("return_softmax_lse", K, False)])
 SCHEMAS["sparse_flash_mla_grad"] = ([("q", P, E), ("dout", P, E), ("attn_out", P, E), ("softmax_lse", P, E)]
                                     + _MLA_COMMON + _MLA_LENS)
+_INT64_MAX = 2 ** 63 - 1
+SCHEMAS["compressor"] = [
+    ("x", P, E), ("wkv", P, E), ("wgate", P, E), ("state_cache", P, E), ("ape", P, E), ("cmp_ratio", P, 4),
+    ("state_block_table", K, None), ("cu_seqlens", K, None), ("seqused", K, None), ("start_pos", K, None),
+    ("coff", K, 1), ("cache_mode", K, 1)]
+SCHEMAS["compressor_inference"] = [
+    ("x", P, E), ("wkv", P, E), ("wgate", P, E), ("state_cache", P, E), ("ape", P, E), ("norm_weight", P, E),
+    ("rope_sin", P, E), ("rope_cos", P, E), ("rope_head_dim", P, E), ("cmp_ratio", P, E),
+    ("state_block_table", K, None), ("cu_seqlens", K, None), ("seqused", K, None), ("start_pos", K, None),
+    ("coff", K, 1), ("norm_eps", K, 1e-6), ("rotary_mode", K, 1), ("cache_mode", K, 1)]
+SCHEMAS["dynamic_block_quant"] = [("x", P, E), ("dst_type", P, "int8"), ("tile_size", P, 128)]
+SCHEMAS["dequant_block"] = [("y", P, E), ("scale", P, E), ("tile_size", P, 128), ("out_dtype", P, None)]
+SCHEMAS["kv_rmsnorm_rope_quant_cache"] = [
+    ("kv", P, E), ("gamma", P, E), ("cos", P, E), ("sin", P, E), ("kv_cache", P, E), ("slot_mapping", P, E),
+    ("eps", K, 1e-6), ("rope_head_dim", K, 64), ("tile_size", K, 128), ("rotary_mode", K, 2)]
+SCHEMAS["kv_quant_sparse_flash_attention"] = [
+    ("query", P, E), ("key", P, E), ("value", P, E), ("sparse_indices", P, E), ("scale_value", P, 1.0),
+    ("key_quant_mode", K, 2), ("value_quant_mode", K, 2), ("key_dequant_scale", K, None),
+    ("value_dequant_scale", K, None), ("block_table", K, None), ("actual_seq_lengths_query", K, None),
+    ("actual_seq_lengths_kv", K, None), ("sinks", K, None), ("sparse_block_size", K, 1),
+    ("layout_query", K, "BSND"), ("layout_kv", K, "BSND"), ("sparse_mode", K, 3), ("pre_tokens", K, _INT64_MAX),
+    ("next_tokens", K, _INT64_MAX), ("attention_mode", K, 2), ("quant_scale_repo_mode", K, 1),
+    ("tile_size", K, 128), ("rope_head_dim", K, 64), ("return_softmax_lse", K, False)]
 
 FACADE = {
     "npu_lightning_indexer": [
@@ -173,3 +196,48 @@ def test_export_traces_forward():
             return torch.ops.dsattn.sparse_flash_mla(q, return_softmax_lse=True, **kw)
     ep = torch.export.export(M(), (c.q,))
     assert any("dsattn.sparse_flash_mla" in str(n.target) for n in ep.graph.nodes)
+
+
+def test_torch_compile_fullgraph_quantised_path():
+    """The store (a mutating op) then the quantised attention, compiled as one graph."""
+    c = cases.qsfa_case("TND", "PA_BSND", torch.bfloat16, seed=5)
+    kw = c.kwargs
+    key, idx = c.extra["key"], c.extra["sparse_indices"]
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(3, 576, generator=g).bfloat16()
+    gamma = torch.rand(512, generator=g) + 0.5
+    cos, sin = torch.rand(3, 64, generator=g), torch.rand(3, 64, generator=g)
+    slots = torch.tensor([2, -1, 5])
+
+    def step(q, cache):
+        packed = torch.ops.dsattn.kv_rmsnorm_rope_quant_cache(kv, gamma, cos, sin, cache, slots)
+        y, s = torch.ops.dsattn.dynamic_block_quant(q[..., :512].float().nan_to_num(0.0), "float8_e4m3fn")
+        return (packed, y.view(torch.uint8), s) + tuple(
+            torch.ops.dsattn.kv_quant_sparse_flash_attention(q, cache, cache, idx, **kw))
+    torch._dynamo.reset()
+    c1, c2 = key.clone(), key.clone()
+    eager = step(c.q, c1)
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")(c.q, c2)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))       # the mutation happened in both
+
+
+def test_export_traces_compressor_and_qsfa():
+    c = cases.qsfa_case("BSND", "BSND", torch.float16, seed=2)
+    kw = c.kwargs
+    key, idx = c.extra["key"], c.extra["sparse_indices"]
+
+    class M(torch.nn.Module):
+        def forward(self, q):
+            return torch.ops.dsattn.kv_quant_sparse_flash_attention(q, key, key, idx, **kw)
+    ep = torch.export.export(M(), (c.q,))
+    assert any("kv_quant_sparse_flash_attention" in str(n.target) for n in ep.graph.nodes)
+    cc = cases.compressor_case(D=16, dtype=torch.float32, packed=True, seed=2)
+    x, wkv, wgate, state, ape, r = cc.clone_args()
+
+    class C(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.dsattn.compressor(x, wkv, wgate, state, ape, r, **cc.kwargs)
+    ep = torch.export.export(C(), (x,))
+    assert any("compressor" in str(n.target) for n in ep.graph.nodes)

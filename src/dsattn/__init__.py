@@ -5,15 +5,18 @@
 * the hyper-parallel ``npu_*`` interface (``dsattn.hyper_parallel``), re-exported here;
 * ``dsattn.testing`` — the comparison rules; ``dsattn.serving`` — serving helpers.
 """
-from . import ops
+from . import ops, quant
 from .common.checks import set_content_checks
 from .hyper_parallel import (SparseFlashMlaFunction, npu_lightning_indexer, npu_sparse_flash_mla,
                              npu_sparse_flash_mla_grad, npu_sparse_lightning_indexer_kl_loss_grad)
-from .ops import (lightning_indexer, sparse_flash_mla, sparse_flash_mla_grad,
-                  sparse_lightning_indexer_kl_loss_grad)
+from .ops import (compressor, compressor_inference, dequant_block, dynamic_block_quant,
+                  kv_quant_sparse_flash_attention, kv_rmsnorm_rope_quant_cache, lightning_indexer, sparse_flash_mla,
+                  sparse_flash_mla_grad, sparse_lightning_indexer_kl_loss_grad)
 
 __version__ = "0.1.0"
 
 __all__ = ["ops", "set_content_checks", "SparseFlashMlaFunction", "npu_lightning_indexer", "npu_sparse_flash_mla",
            "npu_sparse_flash_mla_grad", "npu_sparse_lightning_indexer_kl_loss_grad", "lightning_indexer",
-           "sparse_flash_mla", "sparse_flash_mla_grad", "sparse_lightning_indexer_kl_loss_grad"]
+           "sparse_flash_mla", "sparse_flash_mla_grad", "sparse_lightning_indexer_kl_loss_grad", "compressor",
+           "compressor_inference", "dequant_block", "dynamic_block_quant", "kv_quant_sparse_flash_attention",
+           "kv_rmsnorm_rope_quant_cache", "quant"]

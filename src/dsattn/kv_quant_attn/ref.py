@@ -35,9 +35,17 @@ def _dequant_row(P: QsfaProblem, row: torch.Tensor):
     return round_q(k, P.query.dtype), (rope.float() if rope is not None else None)
 
 
-def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_value=1.0, *,
-                                    return_softmax_lse=False, **attrs):
+def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_value=1.0, *, key_quant_mode=2,
+                                    value_quant_mode=2, key_dequant_scale=None, value_dequant_scale=None,
+                                    block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
+                                    sinks=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
+                                    sparse_mode=3, pre_tokens=2 ** 63 - 1, next_tokens=2 ** 63 - 1,
+                                    attention_mode=2, quant_scale_repo_mode=1, tile_size=128, rope_head_dim=64,
+                                    return_softmax_lse=False):
     """Golden forward: ``(attention_out, softmax_max, softmax_sum)`` with the operator's shapes."""
+    attrs = dict(locals())
+    for k in ("query", "key", "value", "sparse_indices", "scale_value", "return_softmax_lse"):
+        attrs.pop(k)
     P = parse_qsfa(query, key, value, sparse_indices, scale_value, content=True, **attrs)
     qf = P.rows.flat(query)
     Rq, H, _ = qf.shape
