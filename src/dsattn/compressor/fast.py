@@ -92,7 +92,7 @@ def compress(pb: CompressorProblem, save: bool = False):
     """All emitted entries: (C ``[N_out, D]`` compute dtype, valid ``[N_out]``, Saved or None).
     Writes the state cache."""
     kv_new, sc_new = project(pb)
-    step = pb.N_out if save else _block_rows(pb)
+    step = max(1, pb.N_out) if save else _block_rows(pb)
     parts = [pool(pb, kv_new, sc_new, o0, min(o0 + step, pb.N_out), save) for o0 in range(0, pb.N_out, step)]
     write_state(pb, kv_new, sc_new)
     if not parts:
