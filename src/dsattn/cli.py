@@ -1,4 +1,4 @@
-"""Command line: ``dsattn demo`` and ``dsattn verify``."""
+"""Command line: ``dsattn demo``, ``dsattn verify`` and ``dsattn plan``."""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +39,44 @@ def _demo(args) -> int:
     return 0 if demo.run(args.tokens, dtype) else 1
 
 
+def _parse_lengths(text: str) -> list[tuple[int, int]]:
+    """``"1:8192,1:65536,2048:4096"`` -> [(q tokens, kv tokens), ...]; ``"N"`` alone means N:N."""
+    out = []
+    for item in text.split(","):
+        q, _, kv = item.strip().partition(":")
+        out.append((int(q), int(kv or q)))
+    return out
+
+
+def _plan(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .planner import report
+    lengths = _parse_lengths(args.lengths) if args.lengths else report.preset(args.preset)
+    pp, plan = report.build(lengths, args.scenario, args.heads, args.topk, args.cores, args.aiv, args.fd, args.window)
+    loads = report.core_loads(pp, plan)
+    total = sum(c.cost for c in loads)
+    ideal = total / args.cores if total else 0
+    console = Console()
+    label = args.lengths or f"preset {args.preset}"
+    table = Table(title=f"dsattn plan: {args.scenario.upper()}, {len(lengths)} requests ({label[:60]}), "
+                        f"{args.cores} cores{', split-KV' if args.fd else ''}")
+    for col in ("core", "range (bn2, m, s2)", "whole rows", "split pieces", "units", "cost", "share of ideal"):
+        table.add_column(col, justify="right")
+    for c, start, end in zip(loads, plan.starts, plan.ends):
+        table.add_row(str(c.core), f"{start[0]},{start[1]},{start[2]} → {end[0]},{end[1]},{end[2]}", str(c.rows), str(c.partial), str(c.units), str(c.cost),
+                      f"{c.cost / ideal:.2f}" if ideal else "-")
+    console.print(table)
+    console.print(f"enabled cores {plan.used_cores}/{args.cores}, FD tasks "
+                  f"{len({(e[0], e[1]) for e in plan.fd})} on {len(plan.fd)} vector cores, total cost {total}, "
+                  f"balance (max core / ideal) [bold]{report.balance(loads, args.cores):.3f}[/bold]")
+    if args.plot:
+        report.plot(loads, args.cores, args.plot, f"{args.scenario.upper()} plan, {len(lengths)} requests")
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dsattn", description="DeepSeek sparse attention operators")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +90,20 @@ def main(argv=None) -> int:
     d.add_argument("--tokens", type=int, default=384)
     d.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     d.set_defaults(fn=_demo)
+    p = sub.add_parser("plan", help="build a sparse_attn_sharedkv_metadata plan and show the per-core load")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", help="per request 'q_tokens:kv_tokens', comma separated (e.g. 1:8192,2048:4096)")
+    src.add_argument("--preset", choices=("decode", "mixed", "prefill"), default="decode",
+                     help="decode: 32 requests at 8K-128K; mixed: 2 prefill chunks + 24 decodes; prefill: one 32K")
+    p.add_argument("--scenario", choices=("swa", "csa", "hca"), default="csa")
+    p.add_argument("--heads", type=int, default=64, help="query heads N1 (V4-Flash 64, V4-Pro 128)")
+    p.add_argument("--topk", type=int, choices=(512, 1024), default=None, help="CSA top-k (default 512)")
+    p.add_argument("--window", type=int, default=127, help="ori_win_left")
+    p.add_argument("--cores", type=int, default=24, help="cube cores (aic_core_num, 1..36)")
+    p.add_argument("--aiv", type=int, default=48, help="vector cores (aiv_core_num, 1..72)")
+    p.add_argument("--fd", action="store_true", help="allow split-KV (support_fd)")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of per-core cost")
+    p.set_defaults(fn=_plan)
     args = parser.parse_args(argv)
     return args.fn(args)
 

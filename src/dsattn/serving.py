@@ -1,4 +1,5 @@
-"""Serving helpers.  For now: merging partial attention states by LSE (60-serving §7.2)."""
+"""Serving helpers: partial-state merging and the host entry point of the planner."""
 from .common.softmax import merge_attention_states
+from .planner.host import sparse_attn_sharedkv_metadata_host
 
-__all__ = ["merge_attention_states"]
+__all__ = ["merge_attention_states", "sparse_attn_sharedkv_metadata_host"]

@@ -219,3 +219,25 @@ def kl_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, seed: 
     p = torch.rand(idx.shape, generator=g) * 0.2
     return Case(f"kl-r{ratio}-{layout}-{str(dtype).split('.')[-1]}", base.q, kw,
                 {"k": k, "w": w, "sparse_indices": idx, "p": p})
+
+
+def sharedkv_case(layout: str = "TND", ratio: int = 4, dtype=torch.float32, *, paged: bool = True, seed: int = 0,
+                  topk: int = 512, lengths=None, H: int = 4, D: int = 32, window: int = 16) -> Case:
+    """A sparse_attn_sharedkv case built from :func:`mla_case`.  ``kwargs`` are the sharedkv
+    arguments; ``extra["mla_kwargs"]`` the equivalent sparse_flash_mla arguments for the golden
+    (every row of the extent is computed: sharedkv has no seqused_q)."""
+    c = mla_case(layout, ratio, dtype, paged=paged, seed=seed, topk=topk, lengths=lengths, H=H, D=D, window=window)
+    q = torch.nan_to_num(c.q, nan=0.0)
+    mla = {k: v for k, v in c.kwargs.items() if k != "seqused_q"}
+    kw = {k: v for k, v in mla.items() if k not in ("cmp_residual_kv", "seqused_cmp_kv", "seqused_ori_kv")}
+    s2o = None
+    if paged:
+        s2o = mla["seqused_ori_kv"]
+        kw["layout_kv"] = "PA_ND"
+    elif layout == "BSND":
+        s2o = mla.get("seqused_ori_kv")
+    if s2o is not None:
+        kw["seqused_kv"] = s2o
+    if ratio == 1:
+        kw.pop("cmp_ratio", None)
+    return Case(c.name.replace("+PA", "+PA_ND"), q, kw, {"mla_kwargs": mla})

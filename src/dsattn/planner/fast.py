@@ -76,6 +76,7 @@ class Rows:
         self.s2_start = np.where(wb > 0, 0, win_end)
         self.s2_end = np.where(cb > 0, cmp_end, win_end)
         self.win_end, self.cmp_end, self.win_tail, self.cmp_tail = win_end, cmp_end, win_tail, cmp_tail
+        self.first = first
         self.high_perf = np.zeros(pp.B, dtype=bool)
         if pp.high_perf_gate:
             self.high_perf = (S1v >= S2) | (S2 - S1v + 1 < pp.cmp_topk * pp.cmp_ratio)

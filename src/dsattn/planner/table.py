@@ -57,11 +57,14 @@ def walk(p: Plan, rows_of) -> list[Segment]:
     """§4: every core's range as row segments; partial rows get consecutive workspace slots
     from the core's ``firstFdDataWorkspaceIdx``."""
     segs = []
+    cache: dict = {}
     for core, (start, end, first) in enumerate(zip(p.starts, p.ends, p.first_fd)):
         bn2, m, s2 = start
         k = 0
         while (bn2, m, s2) < end:
-            rows = rows_of(bn2)
+            if bn2 not in cache:
+                cache[bn2] = rows_of(bn2)
+            rows = cache[bn2]
             if m >= len(rows):
                 bn2, m, s2 = bn2 + 1, 0, 0
                 continue

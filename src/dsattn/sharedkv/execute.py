@@ -1,0 +1,169 @@
+"""Execute a ``sparse_attn_sharedkv_metadata`` plan (50 §4): core by core, then the
+flash-decode reduction.
+
+Each enabled cube core walks its range ``[start, end)`` of (bn2, m-block, s2-block) units.
+A row (m-block) the core holds whole is finished on that core: its query rows attend over
+all their keys (window keys, then compressed keys) with the sink.  A row split across cores
+leaves one *partial state* per core in the FD workspace: attention over only the keys of the
+core's s2-blocks, normalised, with its LSE and without the sink.  Each enabled vector core
+then merges the partial states of its FD task for its slice of the m-block's rows by LSE,
+adding the sink once (60-serving §7, :func:`merge_attention_states`).
+
+The key of a row belongs to s2-block ``(x - first) // 512`` (window key at raw position x,
+``first`` the m-block's clipped window start) or ``cmp_start + s // 512`` (compressed key in
+top-k slot s, or compressed index s for the dense branch).  The plan is read on the host; a
+plan that does not fit the call's lengths (a unit past a row's blocks, a row covered twice or
+not at all) raises ``ValueError`` naming ``metadata``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..common.checks import fail, host_ints
+from ..common.softmax import attend, merge_attention_states
+from ..planner.fast import Rows
+from ..planner.params import S2_BASE, plan_params
+from ..planner.table import decode, walk
+from ..sparse_mla.problem import MlaProblem
+
+
+class _RowView:
+    __slots__ = ("s2_start", "s2_end")
+
+    def __init__(self, s2_start, s2_end):
+        self.s2_start, self.s2_end = s2_start, s2_end
+
+
+def plan_params_for(P: MlaProblem):
+    """The planner parameters that describe this call (its own lengths and attributes)."""
+    K = 0 if P.cmp_idx is None else P.cmp_idx.size(1)
+    if P.cmp is not None and P.cmp_idx is not None and K not in (512, 1024):
+        fail("metadata", f"a plan describes cmp_topk 512 or 1024, but cmp_sparse_indices has K={K}")
+    try:
+        return plan_params(P.q.size(-2), 1, P.q.size(-1), layout_q="TND", layout_kv="PA_ND",
+                           cu_seqlens_q=None, seqused_q=None, batch_size=P.rows.B,
+                           has_cmp_kv=P.cmp is not None, cmp_ratio=P.r if P.cmp is not None else -1, cmp_topk=K,
+                           ori_mask_mode=P.om, cmp_mask_mode=P.cm, ori_win_left=P.wl, ori_win_right=P.wr), \
+            host_ints(P.rows.extent), host_ints(P.ori.lengths)
+    except ValueError as e:
+        fail("metadata", f"this call cannot be described by a plan: {e}")
+
+
+def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
+    pp, S1, S2 = plan_params_for(P)
+    pp.S1, pp.S2 = S1, S2
+    rw = Rows(pp)
+    plan = decode(metadata)
+    B, G, mb = pp.B, pp.G, pp.m_base
+    off = rw.off
+
+    def rows_of(bn2):
+        if bn2 >= B:
+            return []
+        lo, hi = int(off[bn2]), int(off[bn2 + 1])
+        return [_RowView(int(a), int(b)) for a, b in zip(rw.s2_start[lo:hi], rw.s2_end[lo:hi])]
+
+    q = P.q
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf = P.rows.flat(q)
+    R, H, D = qf.shape
+    dev = q.device
+    sinks = None if P.sinks is None else P.sinks.to(cdt)
+    out = torch.zeros(R, H, D, dtype=cdt, device=dev)
+    done = torch.zeros(R, H, dtype=torch.int32, device=dev)
+    q_start = [b * q.size(1) for b in range(B)] if P.rows.layout == "BSND" else \
+        [int(v) for v in (P.rows.extent.cumsum(0) - P.rows.extent).tolist()]
+
+    def pairs(b, m, lo=0, hi=None):
+        """(t, h) of rows ``[lo, hi)`` of m-block m of batch b."""
+        n = min(mb, rw.S1v[b] * G - m * mb)
+        hi = n if hi is None else hi
+        rho = torch.arange(m * mb + lo, m * mb + hi, device=dev)
+        t = q_start[b] + (S1[b] - int(rw.S1v[b])) + torch.div(rho, G, rounding_mode="floor")
+        return t, rho % G
+
+    def attend_rows(t0, t1, blocks=None, with_sinks=True):
+        """Attention of flattened rows [t0, t1); ``blocks = (g, lo, hi)`` keeps only keys of s2-blocks
+        [lo, hi) of global row record g (a partial state, normalised, LSE without the sink)."""
+        k = P.keys(t0, t1)
+        mask = k.mask
+        if blocks is not None:
+            g, lo, hi = blocks
+            ori_blk = torch.div(k.ori_x - int(rw.first[g]), S2_BASE, rounding_mode="floor")
+            blk = ori_blk
+            if k.cmp_mask is not None:
+                col = torch.arange(k.cmp_mask.size(1), device=dev)[None].expand_as(k.cmp_mask)
+                blk = torch.cat([ori_blk, int(rw.win_end[g]) + torch.div(col, S2_BASE, rounding_mode="floor")], 1)
+            if P.content and bool((mask & ((blk < int(rw.s2_start[g])) | (blk >= int(rw.s2_end[g])))).any()):
+                fail("metadata", f"row record {g} does not cover every key of its query rows; was the plan built "
+                     "from these lengths and attributes?")
+            mask = mask & (blk >= lo) & (blk < hi)
+        keys = P.gather(k, cdt)
+        qb = torch.where(k.valid[:, None, None], qf[t0:t1].to(cdt), torch.zeros((), dtype=cdt, device=dev))
+        return attend(qb, keys, mask, sinks if with_sinks else None, P.scale, q.dtype, k.valid), mask.any(-1)
+
+    workspace = {}
+    step = P.rows_per_block()
+    by_core: dict = {}
+    for seg in walk(plan, rows_of):
+        by_core.setdefault(seg.core, []).append(seg)
+    for core, segs in sorted(by_core.items()):
+        whole = [s for s in segs if not s.partial]
+        if whole:
+            ts, hs = zip(*(pairs(s.bn2, s.m) for s in whole))
+            t_all, h_all = torch.cat(ts), torch.cat(hs)
+            done.index_put_((t_all, h_all), torch.ones_like(t_all, dtype=torch.int32), accumulate=True)
+            sel = torch.zeros(R, H, dtype=torch.bool, device=dev)
+            sel[t_all, h_all] = True
+            t_lo, t_hi = int(t_all.min()), int(t_all.max()) + 1
+            for t0 in range(t_lo, t_hi, step):
+                t1 = min(t_hi, t0 + step)
+                (o, _), _ = attend_rows(t0, t1)
+                out[t0:t1] = torch.where(sel[t0:t1, :, None], o, out[t0:t1])
+        for s in (s for s in segs if s.partial):
+            t, h = pairs(s.bn2, s.m)
+            g = int(off[s.bn2]) + s.m
+            t0, t1 = int(t.min()), int(t.max()) + 1
+            (o, lse), has_key = attend_rows(t0, t1, (g, s.s2_lo, s.s2_hi), with_sinks=False)
+            lt = t - t0
+            workspace[s.slot] = (o[lt, h], lse[lt, h], has_key[lt])
+    for bn2, m, ws, split, m_start, m_num in plan.fd:
+        t, h = pairs(bn2, m, m_start, m_start + m_num)
+        parts = [workspace.get(ws + k) for k in range(split)]
+        if any(p is None for p in parts):
+            fail("metadata", f"FD entry for (bn2 {bn2}, m {m}) reads workspace slots {ws}..{ws + split - 1} that "
+                 "no cube core wrote")
+        sl = slice(m_start, m_start + m_num)
+        o, _ = merge_attention_states([p[0][sl].float() for p in parts], [p[1][sl].float() for p in parts],
+                                      sinks=None if sinks is None else sinks[h].float(),
+                                      valid=[p[2][sl] for p in parts])
+        out[t, h] = o.to(cdt)
+        done.index_put_((t, h), torch.ones_like(t, dtype=torch.int32), accumulate=True)
+    _check_and_fill(P, pp, S1, S2, done, out, attend_rows, step)
+    return P.rows.unflat(out.to(q.dtype), q)
+
+
+def _check_and_fill(P, pp, S1, S2, done, out, attend_rows, step):
+    """Every valid (row, head) exactly once.  Rows the planner never plans (it clips S1 to S2:
+    the first S1 - S2 rows, which only see keys with ori_mask_mode 0 and no compressed branch)
+    are computed here, outside the plan."""
+    k_valid = P.rows.used.clone()
+    if P.positional:
+        b = P.rows.batch
+        k_valid &= (P.ori.lengths[b] - P.rows.extent[b] + P.rows.local) >= 0
+    if bool((done > 1).any()):
+        t = int((done > 1).nonzero()[0, 0])
+        fail("metadata", f"query row {t} is computed by more than one core; the plan does not fit this call")
+    clipped = torch.zeros_like(k_valid)
+    b = P.rows.batch
+    S1t = torch.tensor(S1, device=b.device)[b] if len(S1) else b
+    S2t = torch.tensor(S2, device=b.device)[b] if len(S2) else b
+    clipped = k_valid & (P.rows.local < S1t - torch.minimum(S1t, S2t))
+    missing = k_valid & ~clipped & (done == 0).any(-1)
+    if bool(missing.any()):
+        t = int(missing.nonzero()[0, 0])
+        fail("metadata", f"query row {t} is not covered by the plan; was it built from these lengths?")
+    for t in np.nonzero(clipped.cpu().numpy())[0].tolist():
+        (o, _), _ = attend_rows(t, t + 1)
+        out[t] = o[0]

@@ -1,0 +1,78 @@
+"""Registration of ``dsattn::sparse_attn_sharedkv`` (20 §4) and
+``dsattn::sparse_attn_sharedkv_metadata`` (50 §1.1).
+
+With ``metadata`` the attention executes the plan core by core (:mod:`.execute`); the plan is
+read on the host, which on an accelerator means one small device-to-host copy, so during CUDA
+graph capture (or on fake tensors) the same result is computed without walking the plan.
+Without ``metadata`` the rows are computed directly.  Results never depend on the plan.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._registry import register
+from ..common.checks import content_checks_enabled
+from ..planner import fast as fast_planner
+from ..planner.params import TABLE_SIZE, plan_params
+from ..planner.table import encode
+from ..sparse_mla import fast
+from .execute import execute
+from .problem import parse_sharedkv
+
+SHAREDKV_SCHEMA = (
+    "sparse_attn_sharedkv(Tensor q, *, Tensor? ori_kv=None, Tensor? cmp_kv=None, "
+    "Tensor? ori_sparse_indices=None, Tensor? cmp_sparse_indices=None, "
+    "Tensor? ori_block_table=None, Tensor? cmp_block_table=None, "
+    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, Tensor? cu_seqlens_cmp_kv=None, "
+    "Tensor? seqused_q=None, Tensor? seqused_kv=None, Tensor? sinks=None, Tensor? metadata=None, "
+    "float softmax_scale=0.0, int cmp_ratio=0, int ori_mask_mode=4, int cmp_mask_mode=3, "
+    'int ori_win_left=127, int ori_win_right=0, str layout_q="BSND", str layout_kv="PA_ND", '
+    "bool return_softmax_lse=False) -> (Tensor, Tensor)")
+
+METADATA_SCHEMA = (
+    "sparse_attn_sharedkv_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, "
+    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, Tensor? cu_seqlens_cmp_kv=None, "
+    "Tensor? seqused_q=None, Tensor? seqused_kv=None, int batch_size=0, int max_seqlen_q=0, "
+    "int max_seqlen_kv=0, int ori_topk=0, int cmp_topk=0, int cmp_ratio=-1, int ori_mask_mode=4, "
+    "int cmp_mask_mode=3, int ori_win_left=127, int ori_win_right=0, "
+    'str layout_q="BSND", str layout_kv="PA_ND", bool has_ori_kv=True, bool has_cmp_kv=True, '
+    "str? device=None, int aic_core_num=24, int aiv_core_num=48, bool support_fd=False) -> Tensor")
+
+
+def _walkable(metadata, q) -> bool:
+    return metadata is not None and content_checks_enabled(metadata, q)
+
+
+def _kernel(q, **kw):
+    P = parse_sharedkv(q, **kw)
+    metadata = kw.get("metadata")
+    empty = q.new_zeros((0,), dtype=torch.float32)
+    if _walkable(metadata, q):
+        return execute(P, metadata), empty
+    out, _ = fast.forward(P, False)
+    return out, empty
+
+
+def _fake(q, **kw):
+    parse_sharedkv(q, content=False, **kw)
+    return torch.empty_like(q), q.new_empty((0,), dtype=torch.float32)
+
+
+def build_table(num_heads_q, num_heads_kv, head_dim, *, allow_device=True, **kw) -> torch.Tensor:
+    """The plan as a CPU int32 ``(1024,)`` tensor (the fast planner; byte-identical to the golden)."""
+    return encode(fast_planner.plan(plan_params(num_heads_q, num_heads_kv, head_dim, allow_device=allow_device, **kw)))
+
+
+def _metadata_kernel(num_heads_q, num_heads_kv, head_dim, **kw):
+    device = kw.pop("device", None)
+    table = build_table(num_heads_q, num_heads_kv, head_dim, **kw)
+    return table if device is None else table.to(device)
+
+
+def _metadata_fake(num_heads_q, num_heads_kv, head_dim, **kw):
+    device = kw.get("device")
+    return torch.empty((TABLE_SIZE,), dtype=torch.int32, device=device or "cpu")
+
+
+register(SHAREDKV_SCHEMA, _kernel, _fake)
+register(METADATA_SCHEMA, _metadata_kernel, _metadata_fake)
