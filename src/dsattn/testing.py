@@ -94,7 +94,7 @@ def flashmla_lse_close(actual, expected):
     return flashmla_close(actual, expected, abs_tol=1e-6, rel_tol=2.01 / 65536, max_cos_diff=None)
 
 
-def bf16_cross_order_close(actual, expected):
+def bf16_cross_order_close(actual, expected, min_inner: float = 0.999):
     """cos_diff <= 7e-6; >= 99.9 % within the FlashMLA bounds; every element within 4e-3 or 10 %."""
     a, e = _prep(actual, expected)
     d = (a - e).abs()
@@ -103,8 +103,20 @@ def bf16_cross_order_close(actual, expected):
     outer = (fin & ((d <= 4e-3) | (d <= 0.1 * e.abs()))) | (torch.isinf(a) & (a == e))
     frac = float(inner.double().mean()) if a.numel() else 1.0
     cd = cos_diff(actual, expected)
-    passed = _nonfinite_match(a, e) and cd <= 7e-6 and frac >= 0.999 and bool(outer.all())
+    passed = _nonfinite_match(a, e) and cd <= 7e-6 and frac >= min_inner and bool(outer.all())
     return Comparison("bf16-cross-order", passed, _max_abs(a, e), frac, f"cos_diff={cd:.2e}")
+
+
+def split_row_close(actual, expected):
+    """Half-precision outputs of rows split across cores (flash-decode): each core rounds P to the
+    query dtype against its own partial maximum, not the row's global one, so the rounding noise is
+    independent of the golden's and of the same size as the golden's own error against exact math
+    (measured: golden vs float64 meets the FlashMLA bounds on 99.6-99.7 % of elements).  The
+    cross-order rule with the inner share lowered to the standard rule's 99.5 %; the cos_diff and
+    the every-element bounds stay.  fp32 outputs keep their 1e-5 rule."""
+    if actual.dtype == torch.float32:
+        return standard_close(actual, expected)
+    return bf16_cross_order_close(actual, expected, min_inner=0.995)
 
 
 def compare(actual, expected, *, same_order: bool = False) -> Comparison:

@@ -19,6 +19,14 @@ def _cost(M, N):
     return 6 * ((M + 15) // 16) + 10 * ((N + 63) // 64)
 
 
+class RowView:
+    """The fields of one row record that walking and checking a plan need."""
+    __slots__ = ("s2_start", "s2_end", "blocks", "m_size")
+
+    def __init__(self, s2_start, s2_end, blocks, m_size):
+        self.s2_start, self.s2_end, self.blocks, self.m_size = s2_start, s2_end, blocks, m_size
+
+
 class Rows:
     """Row records of all batches as flat int64 arrays; batch b owns ``[off[b], off[b+1])``."""
 
@@ -89,6 +97,16 @@ class Rows:
             c = np.where((L > 2048) & (L < 3392), c + c // 7, c)
             self.cost = np.where(hp, c, self.cost)
         self.S1v, self.S2 = S1v, S2
+        self.G, self.m_base, self.B = G, mb, pp.B
+
+    def views(self, bn2: int) -> list[RowView]:
+        """Row records of batch ``bn2`` (N2 = 1) for :func:`dsattn.planner.table.walk`; [] past the end."""
+        if bn2 >= self.B:
+            return []
+        lo, hi = int(self.off[bn2]), int(self.off[bn2 + 1])
+        n_rows = int(self.S1v[bn2]) * self.G
+        return [RowView(int(a), int(b), int(n), min(self.m_base, n_rows - m * self.m_base))
+                for m, (a, b, n) in enumerate(zip(self.s2_start[lo:hi], self.s2_end[lo:hi], self.blocks[lo:hi]))]
 
     def block_costs(self, g: int, s2_from: int) -> np.ndarray:
         """Costs of blocks ``[s2_from, s2_end)`` of global row ``g``."""

@@ -29,6 +29,7 @@ class RowRecord:
     last: int
     act: int              # compressed entries / top-k slots covered
     s1g_tail: int         # rows of the batch's tail m-block
+    m_size: int           # rows (query row x head) of this m-block
 
     def block_cost(self, pp: PlanParams, k: int) -> int:
         """Cost of s2-block k (FD mode, §2.2): window blocks, then compressed blocks."""
@@ -106,7 +107,7 @@ def batch_rows(pp: PlanParams, b: int) -> list[RowRecord]:
                         s2_start=win_start if wb > 0 else cmp_start, s2_end=cmp_end if cb > 0 else win_end,
                         win_end=win_end, cmp_start=cmp_start, cmp_end=cmp_end, win_tail=win_tail,
                         cmp_tail=cmp_tail, tail_row=row_t, first=first, last=last, act=act,
-                        s1g_tail=s1g_tail)
+                        s1g_tail=s1g_tail, m_size=min(m_base, S1v * G - idx * m_base))
         if high_perf(pp, b):
             L = min(pp.cmp_topk * pp.cmp_ratio, last + 1)
             c = 15 * cdiv(m_base, 16) + 5 * cdiv(L, 64)

@@ -61,19 +61,7 @@ def core_loads(pp: PlanParams, plan: Plan) -> list[CoreLoad]:
     rw = fast.Rows(pp)
     off = rw.off
 
-    class _V:
-        __slots__ = ("s2_start", "s2_end")
-
-    def rows_of(bn2):
-        if bn2 >= pp.B:
-            return []
-        out = []
-        for g in range(int(off[bn2]), int(off[bn2 + 1])):
-            v = _V()
-            v.s2_start, v.s2_end = int(rw.s2_start[g]), int(rw.s2_end[g])
-            out.append(v)
-        return out
-
+    rows_of = rw.views
     loads = [CoreLoad(i, 0, 0, 0, 0) for i in range(plan.used_cores)]
     for s in walk(plan, rows_of):
         g = int(off[s.bn2]) + s.m

@@ -88,14 +88,21 @@ def check_invariants(p: Plan, rows_of, n_bn2: int, aic: int, aiv: int, support_f
         assert p.starts[i] == p.ends[i - 1], f"2: start[{i}] = {p.starts[i]} != end[{i - 1}] = {p.ends[i - 1]}"
     assert p.ends[-1] == (n_bn2, 0, 0), f"3: end[last] = {p.ends[-1]}"
     segs = walk(p, rows_of)
-    covered: dict = {}
+    pieces: dict = {}
     for s in segs:
-        for blk in range(s.s2_lo, s.s2_hi):
-            key = (s.bn2, s.m, blk)
-            assert key not in covered, f"4: unit {key} covered twice (cores {covered[key]} and {s.core})"
-            covered[key] = s.core
-    want = sum(r.blocks for bn2 in range(n_bn2) for r in rows_of(bn2))
-    assert len(covered) == want, f"4: {len(covered)} units covered, {want} exist"
+        pieces.setdefault((s.bn2, s.m), []).append((s.s2_lo, s.s2_hi, s.core))
+    for bn2 in range(n_bn2):
+        for m, row in enumerate(rows_of(bn2)):
+            got = sorted(pieces.pop((bn2, m), []))
+            if row.blocks == 0:
+                assert not got, f"4: row {(bn2, m)} has no blocks but cores {got} work on it"
+                continue
+            pos = row.s2_start
+            for lo, hi, core in got:
+                assert lo == pos, f"4: row {(bn2, m)} blocks [{pos}, {lo}) uncovered or overlapping (core {core})"
+                pos = hi
+            assert pos == row.s2_end, f"4: row {(bn2, m)} covered up to {pos}, has blocks up to {row.s2_end}"
+    assert not pieces, f"4: cores work on rows that do not exist: {sorted(pieces)[:3]}"
     if not support_fd:
         assert all(s[2] == 0 for s in p.starts) and all(e[2] == 0 for e in p.ends), "5: s2 != 0 without FD"
         assert all(f == 0 for f in p.first_fd) and not p.fd, "5: FD data without support_fd"
@@ -122,3 +129,5 @@ def check_invariants(p: Plan, rows_of, n_bn2: int, aic: int, aiv: int, support_f
         for m_start, m_num in ranges:
             assert m_start == pos and m_num > 0, f"6: FD M ranges of {(bn2, m)} do not partition"
             pos += m_num
+        m_size = rows_of(bn2)[m].m_size
+        assert pos == m_size, f"6: FD M ranges of {(bn2, m)} cover {pos} rows, the m-block has {m_size}"

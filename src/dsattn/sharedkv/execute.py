@@ -23,16 +23,9 @@ import torch
 from ..common.checks import fail, host_ints
 from ..common.softmax import attend, merge_attention_states
 from ..planner.fast import Rows
-from ..planner.params import S2_BASE, plan_params
-from ..planner.table import decode, walk
+from ..planner.params import FA_CORES, FD_CORES, S2_BASE, plan_params
+from ..planner.table import check_invariants, decode, walk
 from ..sparse_mla.problem import MlaProblem
-
-
-class _RowView:
-    __slots__ = ("s2_start", "s2_end")
-
-    def __init__(self, s2_start, s2_end):
-        self.s2_start, self.s2_end = s2_start, s2_end
 
 
 def plan_params_for(P: MlaProblem):
@@ -58,11 +51,15 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
     B, G, mb = pp.B, pp.G, pp.m_base
     off = rw.off
 
-    def rows_of(bn2):
-        if bn2 >= B:
-            return []
-        lo, hi = int(off[bn2]), int(off[bn2 + 1])
-        return [_RowView(int(a), int(b)) for a, b in zip(rw.s2_start[lo:hi], rw.s2_end[lo:hi])]
+    rows_of = rw.views
+
+    if P.content:
+        split = bool(plan.fd) or any(s[2] for s in plan.starts) or any(e[2] for e in plan.ends)
+        try:
+            check_invariants(plan, rows_of, B, FA_CORES, FD_CORES, split)
+        except AssertionError as e:
+            fail("metadata", f"the plan does not fit this call (built from other lengths or attributes?): "
+                 f"invariant {e}")
 
     q = P.q
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
