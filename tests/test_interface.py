@@ -59,6 +59,23 @@ SCHEMAS["kv_quant_sparse_flash_attention"] = [
     ("layout_query", K, "BSND"), ("layout_kv", K, "BSND"), ("sparse_mode", K, 3), ("pre_tokens", K, _INT64_MAX),
     ("next_tokens", K, _INT64_MAX), ("attention_mode", K, 2), ("quant_scale_repo_mode", K, 1),
     ("tile_size", K, 128), ("rope_head_dim", K, 64), ("return_softmax_lse", K, False)]
+SCHEMAS["sparse_attn_sharedkv"] = [
+    ("q", P, E), ("ori_kv", K, None), ("cmp_kv", K, None), ("ori_sparse_indices", K, None),
+    ("cmp_sparse_indices", K, None), ("ori_block_table", K, None), ("cmp_block_table", K, None),
+    ("cu_seqlens_q", K, None), ("cu_seqlens_ori_kv", K, None), ("cu_seqlens_cmp_kv", K, None),
+    ("seqused_q", K, None), ("seqused_kv", K, None), ("sinks", K, None), ("metadata", K, None),
+    ("softmax_scale", K, 0.0), ("cmp_ratio", K, 0), ("ori_mask_mode", K, 4), ("cmp_mask_mode", K, 3),
+    ("ori_win_left", K, 127), ("ori_win_right", K, 0), ("layout_q", K, "BSND"), ("layout_kv", K, "PA_ND"),
+    ("return_softmax_lse", K, False)]
+SCHEMAS["sparse_attn_sharedkv_metadata"] = [
+    ("num_heads_q", P, E), ("num_heads_kv", P, E), ("head_dim", P, E), ("cu_seqlens_q", K, None),
+    ("cu_seqlens_ori_kv", K, None), ("cu_seqlens_cmp_kv", K, None), ("seqused_q", K, None),
+    ("seqused_kv", K, None), ("batch_size", K, 0), ("max_seqlen_q", K, 0), ("max_seqlen_kv", K, 0),
+    ("ori_topk", K, 0), ("cmp_topk", K, 0), ("cmp_ratio", K, -1), ("ori_mask_mode", K, 4), ("cmp_mask_mode", K, 3),
+    ("ori_win_left", K, 127), ("ori_win_right", K, 0), ("layout_q", K, "BSND"), ("layout_kv", K, "PA_ND"),
+    ("has_ori_kv", K, True), ("has_cmp_kv", K, True), ("device", K, None), ("aic_core_num", K, 24),
+    ("aiv_core_num", K, 48), ("support_fd", K, False)]
+UNPINNED_REFERENCE = {"sparse_attn_sharedkv", "sparse_attn_sharedkv_metadata"}   # goldens: sparse_flash_mla, ref planner
 
 FACADE = {
     "npu_lightning_indexer": [
@@ -96,6 +113,9 @@ def _shape(fn):
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_operator_signatures(name):
     assert _shape(getattr(ops, name)) == SCHEMAS[name]
+    assert getattr(dsattn, name) is getattr(ops, name)
+    if name in UNPINNED_REFERENCE:
+        return
     ref = _shape(getattr(reference, name))
     assert ref[: len(SCHEMAS[name])] == SCHEMAS[name]                  # + compute_dtype / emulate_rounding
     assert getattr(dsattn, name) is getattr(ops, name)
@@ -241,3 +261,15 @@ def test_export_traces_compressor_and_qsfa():
             return torch.ops.dsattn.compressor(x, wkv, wgate, state, ape, r, **cc.kwargs)
     ep = torch.export.export(C(), (x,))
     assert any("compressor" in str(n.target) for n in ep.graph.nodes)
+
+
+def test_torch_compile_sharedkv_with_plan():
+    c = cases.sharedkv_case("TND", 4, torch.float32, seed=3)
+    kw = {k: v for k, v in c.kwargs.items()}
+    plan = ops.sparse_attn_sharedkv_metadata(4, 1, 32, cu_seqlens_q=kw["cu_seqlens_q"], seqused_kv=kw["seqused_kv"],
+                                             layout_q="TND", cmp_ratio=4, cmp_topk=512, aic_core_num=3,
+                                             aiv_core_num=8, support_fd=True)
+
+    def step(q, metadata):
+        return torch.ops.dsattn.sparse_attn_sharedkv(q, metadata=metadata, **kw)
+    _compiled_matches(step, c.q, plan)

@@ -159,6 +159,33 @@ def qsfa_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
     return rows
 
 
+def sharedkv_rows(case: cases.Case, ratio: int, impl: str = "ops", cores: int = 7, split_kv: bool = True) -> list[Row]:
+    """sparse_attn_sharedkv executing a plan of ``cores`` cores (split-KV rows merged by the FD
+    reduction) against the sparse_flash_mla golden; fp32 held to 1e-5 against float64."""
+    q, kw, mla = case.q, case.kwargs, case.extra["mla_kwargs"]
+    s2o = kw.get("seqused_kv")
+    if s2o is None:
+        s2o = (kw["cu_seqlens_ori_kv"][1:] - kw["cu_seqlens_ori_kv"][:-1]).to(torch.int32) \
+            if kw["layout_kv"] == "TND" else torch.full((q.size(0),), kw["ori_kv"].size(1), dtype=torch.int32)
+    bsnd = kw["layout_q"] == "BSND"
+    plan = ops.sparse_attn_sharedkv_metadata(
+        q.size(-2), 1, q.size(-1), cu_seqlens_q=kw.get("cu_seqlens_q"), seqused_kv=s2o,
+        batch_size=q.size(0) if bsnd else 0, max_seqlen_q=q.size(1) if bsnd else 0, layout_q=kw["layout_q"],
+        has_cmp_kv=ratio > 1, cmp_ratio=ratio if ratio > 1 else -1, cmp_topk=512 if ratio == 4 else 0,
+        ori_win_left=kw["ori_win_left"], aic_core_num=cores, aiv_core_num=max(cores, 8), support_fd=split_kv)
+    fn = reference.sparse_flash_mla if impl == "reference" else None
+    if fn is not None:
+        out, _ = fn(q, **mla)
+    else:
+        out, _ = ops.sparse_attn_sharedkv(q, metadata=plan, **kw)
+    want, _ = reference.sparse_flash_mla(q, **mla)
+    if q.dtype == torch.float32:
+        res = testing.fp32_math_close(out, reference.sparse_flash_mla(q, compute_dtype=torch.float64, **mla)[0])
+    else:
+        res = testing.split_row_close(out, want) if split_kv else testing.compare(out, want)
+    return [Row(case.name.replace("-", "-sharedkv-", 1), f"attn_out (plan: {cores} cores, split-KV)", res)]
+
+
 def compressor_cases(dtypes) -> list[cases.CompressorCase]:
     """The three supported combinations (at test-sized D) x 3-D / 2-D x both cache modes."""
     out = []
@@ -218,6 +245,14 @@ def matrix(impl: str = "ops", quick: bool = False, progress: Callable | None = N
     if impl != "facade":                                                 # the npu_* interface has neither
         jobs += [lambda c=c: compressor_rows(c, impl) for c in compressor_cases(dtypes)]
         jobs += [lambda c=c: qsfa_rows(c, impl) for c in qsfa_cases(quick)]
+        for layout, paged in (("TND", True), ("BSND", True), ("TND", False)):
+            for r in RATIOS:
+                for dt in dtypes:
+                    seed = hash(("sharedkv", layout, paged, r, str(dt))) % 10_000
+                    jobs.append(lambda layout=layout, paged=paged, r=r, dt=dt, seed=seed: sharedkv_rows(
+                        cases.sharedkv_case(layout, r, dt, paged=paged, seed=seed,
+                                            lengths=[(3, 1500), (1, 700), (0, 50), (2, 1030)] if layout == "TND"
+                                            else [(3, 1500), (3, 700), (3, 1030)], D=16, window=1200), r, impl))
     rows: list[Row] = []
     for n, job in enumerate(jobs):
         rows.extend(job())
