@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..common.checks import fail, host_ints
-from ..common.softmax import attend, merge_attention_states
+from ..common.softmax import attend, attention_dtype, merge_attention_states
 from ..planner.fast import Rows
 from ..planner.params import FA_CORES, FD_CORES, S2_BASE, plan_params
 from ..planner.table import check_invariants, decode, walk
@@ -96,8 +96,9 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
                 fail("metadata", f"row record {g} does not cover every key of its query rows; was the plan built "
                      "from these lengths and attributes?")
             mask = mask & (blk >= lo) & (blk < hi)
-        keys = P.gather(k, cdt)
-        qb = torch.where(k.valid[:, None, None], qf[t0:t1].to(cdt), torch.zeros((), dtype=cdt, device=dev))
+        adt = attention_dtype(q)
+        keys = P.gather(k, adt)
+        qb = torch.where(k.valid[:, None, None], qf[t0:t1].to(adt), torch.zeros((), dtype=adt, device=dev))
         return attend(qb, keys, mask, sinks if with_sinks else None, P.scale, q.dtype, k.valid), mask.any(-1)
 
     workspace = {}

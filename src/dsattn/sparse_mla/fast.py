@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..common.checks import stat_dtype
-from ..common.softmax import attend, round_q
+from ..common.softmax import attend, attention_dtype, round_q, uses_flash
 from .problem import MlaProblem, lse_from_rows, lse_to_rows
 
 
@@ -25,6 +25,32 @@ def _zero_invalid(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return torch.where(ok.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+BANDED_MIN_ROWS = 8      # batches with at least this many query rows take the banded path
+BANDED_BLOCK = 64        # query rows per banded block
+
+
+def _use_banded(P: MlaProblem) -> bool:
+    """On the CPU the batch extents can be read for free; elsewhere that would be a sync."""
+    return (P.q.device.type == "cpu" and P.q.dtype != torch.float64 and not uses_flash(P.q.dtype, P.q.device)
+            and P.rows.max_extent >= BANDED_MIN_ROWS)
+
+
+def _forward_banded(P: MlaProblem, out, lse, cdt):
+    """Batches with many query rows: banded blocks; the rest: the per-row gather path."""
+    from .banded import batch_row_ranges, block_forward
+    rest = []
+    for b, start, extent in batch_row_ranges(P):
+        if extent < BANDED_MIN_ROWS:
+            rest.append((start, start + extent))
+            continue
+        for t0 in range(start, start + extent, BANDED_BLOCK):
+            t1 = min(start + extent, t0 + BANDED_BLOCK)
+            o, l = block_forward(P, t0, t1, b, cdt)
+            out[t0:t1] = o.to(out.dtype)
+            lse[t0:t1] = l.to(lse.dtype)
+    return rest
+
+
 def forward(P: MlaProblem, return_softmax_lse: bool):
     q = P.q
     cdt = _compute_dtype(q)
@@ -33,12 +59,17 @@ def forward(P: MlaProblem, return_softmax_lse: bool):
     out = torch.empty(R, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(R, H, dtype=stat_dtype(q), device=q.device)
     sinks = None if P.sinks is None else P.sinks.to(cdt)
+    adt = attention_dtype(q)
     step = P.rows_per_block()
-    for t0 in range(0, R, step):
-        t1 = min(R, t0 + step)
+    spans = [(0, R)]
+    if _use_banded(P):
+        out.zero_()
+        lse.zero_()
+        spans = _forward_banded(P, out, lse, cdt)
+    for t0, t1 in (blk for a, z in spans for blk in ((x, min(z, x + step)) for x in range(a, z, step))):
         k = P.keys(t0, t1)
-        keys = P.gather(k, cdt)
-        qb = _zero_invalid(qf[t0:t1].to(cdt), k.valid)
+        keys = P.gather(k, adt)
+        qb = _zero_invalid(qf[t0:t1].to(adt), k.valid)
         o, l = attend(qb, keys, k.mask, sinks, P.scale, q.dtype, k.valid)
         out[t0:t1] = o.to(q.dtype)
         lse[t0:t1] = l.to(lse.dtype)

@@ -1,0 +1,171 @@
+"""Attention forward benchmarks: decode and prefill (CSA / HCA / SWA), against the dense-masked
+and the gather-everything approaches and the golden."""
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from .. import ops, reference
+from ..common.softmax import set_flash_attention
+from . import workloads
+from .harness import Result, current_rss_mb, peak_rss_growth_mb, timeit
+
+SCEN = {1: "SWA", 4: "CSA", 128: "HCA"}
+
+
+def _fwd(q, kw):
+    return ops.sparse_flash_mla(q, **kw)[0]
+
+
+def _both_paths(family, name, q, kw, flops, repeat, results):
+    """The default (golden-rounding) path and the opt-in flash path, side by side."""
+    t = timeit(lambda: _fwd(q, kw), repeat=repeat)
+    results.append(Result(family, name, "dsattn (default)", t, flops / 1e9))
+    set_flash_attention(True)
+    try:
+        t = timeit(lambda: _fwd(q, kw), repeat=repeat)
+    finally:
+        set_flash_attention(False)
+    results.append(Result(family, name, "dsattn (flash opt-in)", t, flops / 1e9))
+
+
+def golden_per_row(q, kw, rows=16):
+    """Seconds per query row of the golden, timed on the last ``rows`` query rows of batch 0."""
+    sub = q[:1, -rows:]
+    k = dict(kw)
+    if "cmp_sparse_indices" in k:
+        k["cmp_sparse_indices"] = k["cmp_sparse_indices"][:1, -rows:]
+    for name in ("ori_block_table", "cmp_block_table", "seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv"):
+        if name in k:
+            k[name] = k[name][:1]
+    if k["layout_kv"] == "BSND":
+        k["ori_kv"] = k["ori_kv"][:1]
+        if "cmp_kv" in k:
+            k["cmp_kv"] = k["cmp_kv"][:1]
+    t = time.perf_counter()
+    reference.sparse_flash_mla(sub, **k)
+    return (time.perf_counter() - t) / rows
+
+
+def dense_masked_decode(q, kw, S2o, requests=4):
+    """Scores over every key of every request (all raw keys + all compressed keys), then the mask
+    (the reference model code's approach), fp32 like the library; seconds per request."""
+    ratio = kw.get("cmp_ratio", 1)
+    caches = []
+    for b in range(requests):
+        n = int(S2o[b])
+        caches.append((torch.randn(n, workloads.D).bfloat16(), torch.randn(n // ratio, workloads.D).bfloat16()))
+    sinks, scale = kw["sinks"], kw["softmax_scale"]
+
+    def step():
+        for b, (ori, cmp) in enumerate(caches):
+            n = ori.size(0)
+            keys = torch.cat([ori, cmp]).float()
+            s = scale * (q[b, 0].float() @ keys.T)                       # [H, n + n/r]
+            visible = torch.zeros(keys.size(0), dtype=torch.bool)
+            visible[max(0, n - workloads.WINDOW):n] = True
+            if "cmp_sparse_indices" in kw:
+                idx = kw["cmp_sparse_indices"][b, 0, 0].long()
+                visible[n + idx[idx >= 0]] = True
+            else:
+                visible[n:] = True
+            s = s.masked_fill(~visible, float("-inf"))
+            m = torch.maximum(s.amax(-1), sinks)
+            e = torch.exp(s - m[:, None])
+            o = (e.bfloat16().float() @ keys) / (e.sum(-1) + torch.exp(sinks - m))[:, None]
+        return o
+    return timeit(step, repeat=2) / requests
+
+
+def gather_everything(q, kw):
+    """Every selected key row of every query gathered into one buffer, then attention on it (the
+    pure-PyTorch references of FlashMLA / vLLM); fp32 math like the library."""
+    L = q.size(1)
+    ori, cmp = kw["ori_kv"][0, :, 0], kw["cmp_kv"][0, :, 0]
+    pos = torch.arange(L)
+    win = pos[:, None] - torch.arange(workloads.WINDOW - 1, -1, -1)[None]            # [L, 128]
+    idx = kw["cmp_sparse_indices"][0, :, 0].long()
+    keys = torch.cat([ori[win.clamp(min=0)], cmp[idx.clamp(min=0)]], 1).float()      # [L, 640, D]
+    mask = torch.cat([win >= 0, idx >= 0], 1)
+    s = kw["softmax_scale"] * torch.einsum("lhd,lwd->lhw", q[0].float(), keys)
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    m = torch.maximum(s.amax(-1), kw["sinks"])
+    e = torch.exp(s - m[..., None])
+    return torch.einsum("lhw,lwd->lhd", e.bfloat16().float(), keys) / (e.sum(-1) + torch.exp(kw["sinks"] - m))[..., None]
+
+
+def memory_run(L: int, impl: str, chunk: int = 0) -> dict:
+    """Subprocess entry: build a CSA prefill of L tokens, run ``impl`` once, report timing, the
+    RSS after the inputs were built and the bytes of inputs + outputs."""
+    torch.set_num_threads(torch.get_num_threads())
+    q, kw, flops = workloads.prefill(L, ratio=4)
+    gc.collect()
+    base = current_rss_mb()
+    io = q.numel() * q.element_size() * 2 + sum(v.numel() * v.element_size() for v in kw.values()
+                                                if isinstance(v, torch.Tensor))
+    t = time.perf_counter()
+    if impl == "gather":
+        gather_everything(q, kw)
+    else:
+        _fwd(q, kw)
+    return {"seconds": time.perf_counter() - t, "base_rss_mb": base, "io_mb": io / 2 ** 20, "gflop": flops / 1e9}
+
+
+def run(smoke: bool = False, results=None) -> list[Result]:
+    results = [] if results is None else results
+    fam = "attention"
+    if smoke:
+        q, kw, flops, _ = workloads.decode(B=2, lo=300, hi=600, seed=1)
+        _both_paths(fam, "smoke decode CSA B2", q, kw, flops, 1, results)
+        return results
+    for model, heads, topk in (("Flash", 64, 512), ("Pro", 128, 1024)):
+        for ratio in (4, 128):
+            q, kw, flops, _ = workloads.decode(heads=heads, ratio=ratio, topk=topk)
+            name = f"decode {SCEN[ratio]} V4-{model} B32 8K-128K"
+            _both_paths(fam, name, q, kw, flops, 3, results)
+            g = golden_per_row(q, kw, rows=1) * 0 + _golden_decode(q, kw)
+            results.append(Result(fam, name, "golden", g, flops / 1e9, note="32 requests, timed on 4, scaled"))
+    # dense-masked vs ours at 64K
+    for ratio in (4, 128):
+        q, kw, flops, S2o = workloads.decode(ratio=ratio, fixed=65536, seed=2)
+        name = f"decode {SCEN[ratio]} V4-Flash B32 @64K"
+        _both_paths(fam, name, q, kw, flops, 3, results)
+        per_req = dense_masked_decode(q, kw, S2o)
+        results.append(Result(fam, name, "dense-masked", per_req * 32, flops / 1e9, note="timed on 4 requests, x8"))
+    for ratio in (4, 128, 1):
+        q, kw, flops = workloads.prefill(8192, ratio=ratio)
+        name = f"prefill {SCEN[ratio]} 8K"
+        _both_paths(fam, name, q, kw, flops, 1, results)
+        g = golden_per_row(q, kw) * 8192
+        results.append(Result(fam, name, "golden", g, flops / 1e9, note="timed on 16 rows, scaled to 8192"))
+        del q, kw
+        gc.collect()
+    # gather-everything vs ours: time and resident-set growth, each in a fresh process
+    for L in (4096, 32768):
+        for impl in (("ours", "gather") if L == 4096 else ("ours",)):
+            r = peak_rss_growth_mb("dsattn.benchmarks.attention", "memory_run", {"L": L, "impl": impl})
+            name = f"prefill CSA {L // 1024}K (fresh process)"
+            variant = "dsattn (default)" if impl == "ours" else "gather-everything"
+            if "error" in r:
+                results.append(Result(fam, name, variant, float("nan"), note=f"failed: {r['error']}"))
+                continue
+            growth = r["peak_rss_mb"] - r["base_rss_mb"]
+            results.append(Result(fam, name, variant, r["seconds"], r["gflop"], peak_mb=growth,
+                                  note=f"inputs+outputs {r['io_mb']:.0f} MB; growth/io {growth / r['io_mb']:.2f}"))
+    return results
+
+
+def _golden_decode(q, kw, requests=4):
+    """Golden seconds for the whole 32-request step, timed on ``requests`` requests."""
+    B = q.size(0)
+    k = dict(kw)
+    for name in ("ori_block_table", "cmp_block_table", "seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv"):
+        if name in k:
+            k[name] = k[name][:requests]
+    if "cmp_sparse_indices" in k:
+        k["cmp_sparse_indices"] = k["cmp_sparse_indices"][:requests]
+    t = time.perf_counter()
+    reference.sparse_flash_mla(q[:requests], **k)
+    return (time.perf_counter() - t) * B / requests

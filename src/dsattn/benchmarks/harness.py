@@ -1,0 +1,82 @@
+"""Timing, ceilings and peak-memory measurement shared by the benchmark families."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Result:
+    family: str
+    workload: str
+    variant: str
+    seconds: float
+    gflop: float = 0.0
+    peak_mb: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gflops(self) -> float:
+        return self.gflop / self.seconds if self.seconds > 0 else 0.0
+
+
+def timeit(fn, *, repeat: int = 3, warmup: int = 1, budget_s: float = 60.0) -> float:
+    """Median seconds of ``repeat`` calls after ``warmup`` calls (fewer when one call is slow)."""
+    for _ in range(warmup):
+        t = time.perf_counter()
+        fn()
+        if time.perf_counter() - t > budget_s / 3:
+            repeat = 1
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@dataclass
+class Ceilings:
+    bf16_gflops: float
+    fp32_gflops: float
+    copy_gbs: float
+    threads: int
+
+
+def measure_ceilings(n: int = 2048) -> Ceilings:
+    """Large-GEMM GFLOP/s in bf16 and fp32 and memory copy GB/s, measured now, in this process."""
+    out = {}
+    for dt in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        out[dt] = 2 * n ** 3 / timeit(lambda: a @ b, repeat=5) / 1e9
+    src = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / timeit(lambda: dst.copy_(src), repeat=5) / 1e9   # read + write
+    return Ceilings(out[torch.bfloat16], out[torch.float32], copy, torch.get_num_threads())
+
+
+def peak_rss_growth_mb(module: str, func: str, kwargs: dict, timeout: int = 1800) -> dict:
+    """Run ``module.func(**kwargs)`` in a fresh Python process and report its resident-set growth:
+    the peak RSS of the process minus its RSS after the inputs were built (the function reports
+    that baseline itself and returns a JSON-able dict)."""
+    code = (f"import json, resource, sys; import {module} as m; "
+            f"r = m.{func}(**json.loads(sys.argv[1])); "
+            "r['peak_rss_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; print(json.dumps(r))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ))
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["killed"])[-1], "returncode": proc.returncode}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20

@@ -1,0 +1,106 @@
+"""Structure-aware forward for blocks of consecutive query rows of one batch (prefill, chunked
+prefill): the rows' windows overlap, so their raw keys are one contiguous range gathered once
+(a slice of a BSND / TND cache, one gather of a paged one) and scored with one GEMM under a
+band mask; a dense compressed branch (HCA) is likewise one shared causal prefix.  Only a
+sparse compressed branch (CSA) is gathered per row.
+
+The softmax is the golden's single pass over both branches (one maximum including the sink,
+P rounded to the query dtype before P·V), so results differ from the golden only by
+summation order.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.masks import cmp_threshold_t, ori_range_t, sparse_walk_t
+from ..common.softmax import round_q
+from .problem import MlaProblem
+
+NEG_INF = float("-inf")
+
+
+def _gather_range(src, b, lo: int, hi: int, dtype, check: bool):
+    xs = torch.arange(lo, hi, device=src.tensor.device)
+    i0, i1 = src.locate(b.reshape(1), xs, torch.ones_like(xs, dtype=torch.bool), check=check)
+    return src.gather(i0, i1).to(dtype), xs
+
+
+def block_forward(P: MlaProblem, t0: int, t1: int, b: int, cdt: torch.dtype):
+    """Rows [t0, t1) of batch b -> (out [n, H, D] cdt, lse [n, H] cdt)."""
+    rows, dev = P.rows, P.q.device
+    bt = torch.tensor(b, device=dev)
+    i = rows.local[t0:t1]
+    S1e, S2o = rows.extent[b], P.ori.lengths[b]
+    p = S2o - S1e + i
+    # The shared key ranges are taken over every row with a position (not only the used ones), so
+    # a valid row is computed bit for bit the same with or without seqused_q (20 §1.1).
+    inb = p >= 0 if P.positional else torch.ones_like(p, dtype=torch.bool)
+    valid = rows.used[t0:t1] & inb
+    n, H, D = t1 - t0, P.q.size(-2), P.q.size(-1)
+    out = torch.zeros(n, H, D, dtype=cdt, device=dev)
+    lse = torch.zeros(n, H, dtype=cdt, device=dev)
+    if not bool(inb.any()):
+        return out, lse
+    q = torch.where(valid[:, None, None], P.rows.flat(P.q)[t0:t1].to(cdt), torch.zeros((), dtype=cdt, device=dev))
+    lo, hi = ori_range_t(p, S2o, P.om, P.wl, P.wr)
+    big = torch.iinfo(torch.int64).max
+    lo_u = int(torch.where(inb & (hi > lo), lo, big).min())
+    hi_u = int(torch.where(inb, hi, 0).max())
+    scores, values, masks = [], [], []
+    if hi_u > lo_u:
+        K, xs = _gather_range(P.ori, bt, lo_u, hi_u, cdt, P.content)
+        masks.append(valid[:, None] & (xs[None] >= lo[:, None]) & (xs[None] < hi[:, None]))
+        scores.append(torch.einsum("nhd,ud->nhu", q, K))
+        values.append(("shared", K))
+    if P.cmp is not None:
+        pc = P.Lc[b] - S1e + i
+        thr = cmp_threshold_t(pc, S2o, P.cmp.lengths[b], P.r, P.cm)
+        if P.cmp_idx is None:
+            hi_c = int(torch.where(inb, thr, 0).max())
+            if hi_c > 0:
+                K, xs = _gather_range(P.cmp, bt, 0, hi_c, cdt, P.content)
+                masks.append(valid[:, None] & (xs[None] < thr[:, None]))
+                scores.append(torch.einsum("nhd,ud->nhu", q, K))
+                values.append(("shared", K))
+        else:
+            cx = P.cmp_idx[t0:t1, :P.cmp_width].to(torch.int64)
+            cm = sparse_walk_t(cx, thr, thr) & valid[:, None]
+            i0, i1 = P.cmp.locate(bt.expand(n)[:, None], cx, cm, check=P.content)
+            K = P.cmp.gather(i0, i1).to(cdt)
+            K.masked_fill_(~cm[..., None], 0.0)                     # unselected slots may hold NaN
+            masks.append(cm)
+            scores.append(torch.einsum("nhd,nwd->nhw", q, K))
+            values.append(("per_row", K))
+    if not scores:
+        return out, lse
+    s = [P.scale * x.masked_fill(~m[:, None, :], NEG_INF) for x, m in zip(scores, masks)]
+    m_ = torch.stack([x.amax(-1) for x in s]).amax(0)
+    if P.sinks is not None:
+        m_ = torch.maximum(m_, P.sinks.to(cdt))
+    m_ = torch.where(torch.isfinite(m_), m_, torch.zeros_like(m_))
+    l = torch.zeros_like(m_)
+    acc = torch.zeros(n, H, D, dtype=cdt, device=dev)
+    for x, (kind, K) in zip(s, values):
+        e = torch.exp(x - m_[..., None])
+        l += e.sum(-1)
+        pe = round_q(e, P.q.dtype)
+        acc += torch.einsum("nhu,ud->nhd", pe, K) if kind == "shared" else torch.einsum("nhw,nwd->nhd", pe, K)
+    if P.sinks is not None:
+        l = l + torch.exp(P.sinks.to(cdt) - m_)
+    has = torch.stack([m.any(-1) for m in masks]).any(0)[:, None]
+    out = torch.where(has[..., None], acc / l[..., None], out)
+    lse = torch.where(has, m_ + torch.log(l), lse)
+    return out, lse
+
+
+def batch_row_ranges(P: MlaProblem):
+    """(b, first flattened row, extent) of every batch, read on the host (CPU tensors only)."""
+    ext = P.rows.extent.tolist()
+    if P.rows.layout == "BSND":
+        S1 = P.q.size(1)
+        return [(b, b * S1, e) for b, e in enumerate(ext)]
+    starts, acc = [], 0
+    for b, e in enumerate(ext):
+        starts.append((b, acc, e))
+        acc += e
+    return starts
