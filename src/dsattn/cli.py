@@ -77,6 +77,11 @@ def _plan(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from .benchmarks import runner
+    return runner.main(args.family or None, smoke=args.smoke, record_results=not args.no_record, argv=args.argv)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dsattn", description="DeepSeek sparse attention operators")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,7 +109,14 @@ def main(argv=None) -> int:
     p.add_argument("--fd", action="store_true", help="allow split-KV (support_fd)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of per-core cost")
     p.set_defaults(fn=_plan)
+    bn = sub.add_parser("bench", help="CPU benchmarks: ceilings, every family's workloads, RESULTS.md")
+    bn.add_argument("--family", action="append", choices=("attention", "indexer", "backward", "kv_quant"),
+                    help="run only this family (repeatable)")
+    bn.add_argument("--smoke", action="store_true", help="tiny shapes: checks the scripts run and match the golden")
+    bn.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    bn.set_defaults(fn=_bench)
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     return args.fn(args)
 
 

@@ -117,15 +117,21 @@ def run(smoke: bool = False, results=None) -> list[Result]:
     results = [] if results is None else results
     fam = "attention"
     if smoke:
-        q, kw, flops, _ = workloads.decode(B=2, lo=300, hi=600, seed=1)
-        _both_paths(fam, "smoke decode CSA B2", q, kw, flops, 1, results)
+        from ..testing import compare
+        for ratio in (4, 128):
+            q, kw, flops, _ = workloads.decode(B=2, lo=300, hi=2000, seed=1, ratio=ratio)
+            _both_paths(fam, f"smoke decode {SCEN[ratio]} B2", q, kw, flops, 1, results)
+            results[-2].extra["matches_golden"] = bool(compare(_fwd(q, kw), reference.sparse_flash_mla(q, **kw)[0]))
+        q, kw, flops = workloads.prefill(192, ratio=4)
+        _both_paths(fam, "smoke prefill CSA 192", q, kw, flops, 1, results)
+        results[-2].extra["matches_golden"] = bool(compare(_fwd(q, kw), reference.sparse_flash_mla(q, **kw)[0]))
         return results
     for model, heads, topk in (("Flash", 64, 512), ("Pro", 128, 1024)):
         for ratio in (4, 128):
             q, kw, flops, _ = workloads.decode(heads=heads, ratio=ratio, topk=topk)
             name = f"decode {SCEN[ratio]} V4-{model} B32 8K-128K"
             _both_paths(fam, name, q, kw, flops, 3, results)
-            g = golden_per_row(q, kw, rows=1) * 0 + _golden_decode(q, kw)
+            g = _golden_decode(q, kw)
             results.append(Result(fam, name, "golden", g, flops / 1e9, note="32 requests, timed on 4, scaled"))
     # dense-masked vs ours at 64K
     for ratio in (4, 128):

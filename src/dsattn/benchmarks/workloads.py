@@ -15,7 +15,10 @@ def _g(seed):
 
 
 def _randn(g, *shape, dtype=torch.bfloat16, scale=1.0):
-    return (torch.randn(*shape, generator=g, dtype=torch.float32) * scale).to(dtype)
+    """Drawn directly in ``dtype`` (no fp32 temporary: the fresh-process memory figures would
+    otherwise include it)."""
+    x = torch.randn(*shape, generator=g, dtype=dtype)
+    return x.mul_(scale) if scale != 1.0 else x
 
 
 def _paged_pool(g, lengths, block, pool_blocks, dtype, read_from=None):
@@ -33,7 +36,7 @@ def topk_indices(g, visible: torch.Tensor, topk: int) -> torch.Tensor:
     R = visible.numel()
     v = visible.reshape(R, 1).to(torch.int64)
     slot = torch.arange(topk)[None]
-    rand = (torch.rand(R, topk, generator=g) * v).to(torch.int64)
+    rand = torch.rand(R, topk, generator=g).mul_(v).to(torch.int64)
     idx = torch.where(v > topk, rand, torch.where(slot < v, slot, torch.full_like(slot, -1)))
     return idx.to(torch.int32)
 

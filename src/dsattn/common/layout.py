@@ -180,12 +180,11 @@ class KVSource:
         return self.tensor[i0, i1, 0]
 
     def scatter_add(self, grad: torch.Tensor, i0, i1, values: torch.Tensor) -> None:
-        """``grad`` (shaped like the KV tensor, fp32) += values at (i0, i1)."""
-        if self.layout == "TND":
-            grad[:, 0].index_put_((i1.reshape(-1),), values.reshape(-1, values.size(-1)), accumulate=True)
-        else:
-            grad[:, :, 0].index_put_((i0.reshape(-1), i1.reshape(-1)),
-                                     values.reshape(-1, values.size(-1)), accumulate=True)
+        """``grad`` (shaped like the KV tensor, fp32) += values at (i0, i1), as one ``index_add_``
+        over the flattened rows (faster on the CPU than an accumulating ``index_put_``)."""
+        flat = grad.view(-1, grad.size(-1))
+        idx = i1.reshape(-1) if self.layout == "TND" else (i0 * grad.size(1) + i1).reshape(-1)
+        flat.index_add_(0, idx, values.reshape(-1, values.size(-1)))
 
     def row(self, b: int, x: int) -> torch.Tensor:
         """One key row (reference path): scalar addressing with the same checks."""

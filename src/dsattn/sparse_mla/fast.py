@@ -113,10 +113,13 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
         Dsum = (dO * O).sum(-1)
         dS = round_q(Pm * (dP - Dsum[..., None]), q.dtype)
         dq[t0:t1] = (P.scale * torch.einsum("rhw,rwd->rhd", dS, keys)).to(q.dtype)
-        dK = P.scale * torch.einsum("rhw,rhd->rwd", dS, qb) + torch.einsum("rhw,rhd->rwd", round_q(Pm, q.dtype), dO)
-        P.ori.scatter_add(dori, *k.ori_addr, dK[:, :Wo] * k.ori_mask[..., None])
+        # key and value parts of dK in one batched GEMM over 2H: [scale·dS | round(P)] x [q ; dO]
+        dK = torch.einsum("rhw,rhd->rwd", torch.cat([P.scale * dS, round_q(Pm, q.dtype)], 1), torch.cat([qb, dO], 1))
+        # masked columns are exact zeros already (dS and P are 0 there, q and dO finite), so they
+        # may be scattered to their harmless placeholder address unchanged
+        P.ori.scatter_add(dori, *k.ori_addr, dK[:, :Wo])
         if P.cmp is not None:
-            P.cmp.scatter_add(dcmp, *k.cmp_addr, dK[:, Wo:] * k.cmp_mask[..., None])
+            P.cmp.scatter_add(dcmp, *k.cmp_addr, dK[:, Wo:])
         if sinks is not None:
             dsinks -= (torch.exp(sinks - lse) * (Pm * dP).sum(-1) * ok[:, None]).sum(0)
         Pmean = Pm.mean(1)                                              # [r, W]

@@ -1,0 +1,104 @@
+"""Indexer, backward and quantised-attention benchmarks."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import ops, reference
+from ..quant.rows import pack_kv_rows
+from ..quant.block import quantize_tiles
+from . import workloads
+from .harness import Result, timeit
+
+
+def _indexer_decode(B=32, ctx=131072, heads=64, dim=128, topk=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Kc = ctx // 4
+    q = torch.randn(B, 1, heads, dim, generator=g).bfloat16()
+    k = torch.randn(B, Kc, 1, dim, generator=g).bfloat16()
+    w = torch.rand(B, 1, heads, generator=g) * 0.01
+    kw = dict(layout_q="BSND", layout_k="BSND", mask_mode=3, cmp_ratio=4,
+              seqused_k=torch.full((B,), Kc, dtype=torch.int32), cmp_residual_k=torch.zeros(B, dtype=torch.int32))
+    return q, k, w, topk, kw, 2 * B * heads * Kc * dim
+
+
+def _indexer_prefill(L=8192, heads=64, dim=128, topk=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Kc = L // 4
+    q = torch.randn(1, L, heads, dim, generator=g).bfloat16()
+    k = torch.randn(1, Kc, 1, dim, generator=g).bfloat16()
+    w = torch.rand(1, L, heads, generator=g) * 0.01
+    kw = dict(layout_q="BSND", layout_k="BSND", mask_mode=3, cmp_ratio=4,
+              cmp_residual_k=torch.zeros(1, dtype=torch.int32))
+    visible = ((torch.arange(L) + 1) // 4).sum().item()
+    return q, k, w, topk, kw, 2 * heads * visible * dim
+
+
+def indexer(smoke=False, results=None):
+    results = [] if results is None else results
+    builds = [("smoke decode B2 2K", lambda: _indexer_decode(B=2, ctx=2048))] if smoke else [
+        ("decode B32 @128K (32K keys)", _indexer_decode), ("prefill 8K", _indexer_prefill)]
+    for name, build in builds:
+        q, k, w, topk, kw, flops = build()
+        t = timeit(lambda: ops.lightning_indexer(q, k, w, topk, **kw), repeat=2)
+        # the share of top-k selection: time the scores alone (same math as the kernel's first stage)
+        qf, kf = q.float(), k.float()
+        def scores():
+            s = torch.relu(torch.einsum("bshd,bkd->bshk", qf, kf[:, :, 0]))
+            return torch.einsum("bshk,bsh->bsk", s, w)
+        ts = timeit(scores, repeat=2)
+        s = scores()
+        tk = timeit(lambda: torch.topk(s, topk, dim=-1), repeat=2)
+        results.append(Result("indexer", name, "dsattn", t, flops / 1e9,
+                              note=f"top-k alone {tk:.3f} s = {100 * tk / t:.0f} % of the op; scores alone {ts:.3f} s"))
+        if smoke:
+            gi, _ = reference.lightning_indexer(q, k, w, topk, **kw)
+            results[-1].extra["matches_golden_sets"] = bool(
+                (torch.sort(ops.lightning_indexer(q, k, w, topk, **kw)[0], -1)[0] == torch.sort(gi, -1)[0]).float().mean() > 0.99)
+    return results
+
+
+def backward(smoke=False, results=None):
+    results = [] if results is None else results
+    L = 256 if smoke else 4096
+    q, kw, flops = workloads.prefill(L, ratio=4)
+    dout = torch.randn(q.shape).bfloat16() * 0.1
+    o, lse = ops.sparse_flash_mla(q, return_softmax_lse=True, **kw)
+    t_f = timeit(lambda: ops.sparse_flash_mla(q, return_softmax_lse=True, **kw), repeat=1)
+    t_b = timeit(lambda: ops.sparse_flash_mla_grad(q, dout, o, lse, **kw), repeat=1)
+    # backward FLOPs: recompute S (1 GEMM), dP, dQ, dK, dV: 5 GEMMs of the forward's per-GEMM size
+    results.append(Result("backward", f"CSA training step {L // 1024 or L}{'K' if L >= 1024 else ''} tokens",
+                          "dsattn fwd + grad", t_f + t_b, flops * 3.5 / 1e9,
+                          note=f"forward {t_f:.2f} s, grad {t_b:.2f} s; FLOPs = forward x 3.5"))
+    return results
+
+
+def kv_quant(smoke=False, results=None):
+    results = [] if results is None else results
+    B, topk, heads, block = (2, 64, 16, 128) if smoke else (32, 2048, 128, 128)
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(4096 if smoke else 16384, (8192 if smoke else 131072) + 1, (B,), generator=g)
+    nb = 512 if not smoke else 64
+    lat = torch.randn(nb * block, 512, generator=g)
+    y, s = quantize_tiles(lat, torch.int8, 128)
+    rope = torch.randn(nb * block, 64, generator=g).bfloat16()
+    cache = pack_kv_rows(y, s, rope).reshape(nb, block, 1, 656)
+    nbt = int(ctx.max()) // block + 1
+    table = torch.randint(0, nb, (B, nbt), generator=g, dtype=torch.int32)
+    q = (torch.randn(B, 1, heads, 576, generator=g) * 0.1).bfloat16()
+    idx = (torch.rand(B, 1, 1, topk, generator=g) * ctx.view(B, 1, 1, 1)).to(torch.int32)
+    kw = dict(block_table=table, actual_seq_lengths_kv=ctx.to(torch.int32), layout_query="BSND",
+              layout_kv="PA_BSND", sparse_mode=3, scale_value=576 ** -0.5, rope_head_dim=64)
+    flops = 2 * B * heads * topk * (576 + 512)
+    t = timeit(lambda: ops.kv_quant_sparse_flash_attention(q, cache, cache, idx, **kw), repeat=2)
+    results.append(Result("kv_quant", f"QSFA decode B{B} top-{topk} int8 656 B rows PA_BSND block {block}",
+                          "dsattn", t, flops / 1e9, note=f"{heads} heads (V3.2 128 / TP1)"))
+    if smoke:
+        t0 = time.perf_counter()
+        want = reference.kv_quant_sparse_flash_attention(q, cache, cache, idx, **kw)[0]
+        got = ops.kv_quant_sparse_flash_attention(q, cache, cache, idx, **kw)[0]
+        from ..testing import compare
+        results[-1].extra["matches_golden"] = bool(compare(got, want))
+        results.append(Result("kv_quant", results[-1].workload, "golden", time.perf_counter() - t0, flops / 1e9))
+    return results

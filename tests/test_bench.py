@@ -1,0 +1,26 @@
+"""CI runs the benchmarks' smoke version only: tiny shapes, every family, the fast path checked
+against the golden; the full run is `dsattn bench`."""
+import subprocess
+import sys
+from pathlib import Path
+
+from dsattn.benchmarks import runner
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_family_smoke_matches_golden():
+    ceil, results = runner.run(smoke=True)
+    assert ceil.bf16_gflops > 0 and ceil.fp32_gflops > 0 and ceil.copy_gbs > 0
+    assert {r.family for r in results} == set(runner.FAMILIES)
+    checks = {k: v for r in results for k, v in r.extra.items() if k.startswith("matches")}
+    assert checks and all(checks.values()), checks
+    text = runner.markdown(ceil, results, "dsattn bench --smoke")
+    assert "Command: `dsattn bench --smoke`" in text and "| attention |" in text
+
+
+def test_bench_script_runs(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kv_quant.py"), "--smoke", "--no-record"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "QSFA decode" in proc.stdout
