@@ -1,0 +1,61 @@
+"""Paged-cache plumbing of 60-serving §2 and §8: writing rows by flat slot, and the int32-safe
+last-location lookup."""
+from __future__ import annotations
+
+import torch
+
+from ..common.checks import content_checks_enabled, fail, host_ints
+from ..common.paged import write_rows
+
+
+def store_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``cache.view(-1, *row_shape)[slot] = rows[i]`` for every ``slot >= 0``; -1 skips the row.
+
+    ``cache`` is ``[num_pages, page_size, *row_shape]``, ``rows`` ``[N, *row_shape]`` of the
+    cache's dtype, ``slot_mapping`` int32 / int64 ``[N]``.  Other negative slots and slots past
+    the cache are a ``ValueError`` (content check).  No device data is read otherwise: skipped
+    rows are handled by one fixed-size write (:func:`dsattn.common.paged.write_rows`)."""
+    if cache.dim() < 2:
+        fail("cache", f"expected [num_pages, page_size, *row_shape], got shape {tuple(cache.shape)}")
+    row_shape = tuple(cache.shape[2:])
+    if rows.dtype != cache.dtype:
+        fail("rows", f"dtype {rows.dtype} does not match the cache's {cache.dtype}", TypeError)
+    if rows.dim() != 1 + len(row_shape) or tuple(rows.shape[1:]) != row_shape:
+        fail("rows", f"expected shape [N, {', '.join(map(str, row_shape))}], got {tuple(rows.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        fail("slot_mapping", f"dtype {slot_mapping.dtype} is not supported; expected int32 or int64", TypeError)
+    if slot_mapping.dim() != 1 or slot_mapping.size(0) != rows.size(0):
+        fail("slot_mapping", f"expected shape [N={rows.size(0)}], got {tuple(slot_mapping.shape)}")
+    total = cache.size(0) * cache.size(1)
+    if content_checks_enabled(cache, slot_mapping):
+        for i, s in enumerate(host_ints(slot_mapping)):
+            if s < -1 or s >= total:
+                fail("slot_mapping", f"value {s} at row {i} is neither -1 nor a slot in [0, {total})")
+    flat = cache.view(total, -1)
+    slots = slot_mapping.to(torch.int64)
+    write_rows(flat, slots.clamp(min=0), slots >= 0, rows.reshape(rows.size(0), -1))
+
+
+def get_last_loc(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                 prefix_lens: torch.Tensor) -> torch.Tensor:
+    """Slot of each request's last cached token (60 §8): ``req_to_token[req, prefix - 1]``, or -1
+    when the prefix is empty.  The flat offset is formed in 64-bit arithmetic, an empty prefix
+    never reads (no wrap-around to the last column), the element is loaded and kept as int32,
+    and the widening to int64 is a separate cast at the end."""
+    if req_to_token.dtype != torch.int32:
+        fail("req_to_token", f"dtype {req_to_token.dtype} is not supported; expected torch.int32", TypeError)
+    if req_to_token.dim() != 2:
+        fail("req_to_token", f"expected [num_req_slots, max_context], got shape {tuple(req_to_token.shape)}")
+    for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            fail(name, f"dtype {t.dtype} is not supported; expected int32 or int64", TypeError)
+        if t.dim() != 1 or t.size(0) != req_pool_indices.size(0):
+            fail(name, f"expected shape [B={req_pool_indices.size(0)}], got {tuple(t.shape)}")
+    req = req_pool_indices.to(torch.int64)
+    pre = prefix_lens.to(torch.int64)
+    has = pre > 0
+    # Advanced indexing forms the element offset req·stride0 + col·stride1 in int64 (pools × context
+    # lengths exceed 2^31) and never copies the pool; an empty prefix reads column 0, never -1.
+    col = torch.where(has, pre - 1, torch.zeros_like(pre))
+    loc32 = torch.where(has, req_to_token[req, col], torch.full((), -1, dtype=torch.int32, device=req_to_token.device))
+    return loc32.to(torch.int64)
