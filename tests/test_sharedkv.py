@@ -114,3 +114,19 @@ def test_errors():
     with pytest.raises(ValueError, match="^metadata"):                  # K = 8 is not a plannable cmp_topk
         c8 = cases.sharedkv_case("TND", 4, torch.float32, seed=1, topk=8)
         attn(c8.q, metadata=plan_for(c8, 4, 4, False), **c8.kwargs)
+
+
+def test_rows_the_planner_clips_are_still_computed(gen):
+    """ori_mask_mode 0 without a compressed branch: rows before the first key position (S1 > S2)
+    see every key; the CANN planner clips them away, the library computes them outside the plan."""
+    q = torch.randn(7, 4, 16, generator=gen)
+    kv = torch.randn(5, 1, 16, generator=gen)
+    cu_q, cu_kv = torch.tensor([0, 5, 7], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32)
+    kw = dict(ori_kv=kv, cu_seqlens_q=cu_q, cu_seqlens_ori_kv=cu_kv, ori_mask_mode=0, layout_q="TND",
+              layout_kv="TND", softmax_scale=0.25)
+    plan = meta(4, 1, 16, cu_seqlens_q=cu_q, cu_seqlens_ori_kv=cu_kv, layout_q="TND", layout_kv="TND",
+                has_cmp_kv=False, ori_mask_mode=0, aic_core_num=3)
+    out, _ = attn(q, metadata=plan, **kw)
+    want, _ = reference.sparse_flash_mla(q, compute_dtype=torch.float64, **kw)
+    assert testing.fp32_math_close(out, want)
+    assert (out[:2].abs().sum() > 0)                          # the clipped rows of batch 0

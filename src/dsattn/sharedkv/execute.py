@@ -17,7 +17,6 @@ not at all) raises ``ValueError`` naming ``metadata``.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..common.checks import fail, host_ints
@@ -138,30 +137,25 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
                                       valid=[p[2][sl] for p in parts])
         out[t, h] = o.to(cdt)
         done.index_put_((t, h), torch.ones_like(t, dtype=torch.int32), accumulate=True)
-    _check_and_fill(P, pp, S1, S2, done, out, attend_rows, step)
+    _check_and_fill(P, done, out, attend_rows)
     return P.rows.unflat(out.to(q.dtype), q)
 
 
-def _check_and_fill(P, pp, S1, S2, done, out, attend_rows, step):
+def _check_and_fill(P, done, out, attend_rows):
     """Every valid (row, head) exactly once.  Rows the planner never plans (it clips S1 to S2:
-    the first S1 - S2 rows, which only see keys with ori_mask_mode 0 and no compressed branch)
-    are computed here, outside the plan."""
-    k_valid = P.rows.used.clone()
-    if P.positional:
-        b = P.rows.batch
-        k_valid &= (P.ori.lengths[b] - P.rows.extent[b] + P.rows.local) >= 0
+    the first S1 - S2 rows of a batch, which see keys only with ori_mask_mode 0 and no
+    compressed branch) are computed here, outside the plan."""
+    rows = P.rows
+    S1, S2 = rows.extent[rows.batch], P.ori.lengths[rows.batch]
+    valid = rows.used & ((S2 - S1 + rows.local >= 0) if P.positional else torch.ones_like(rows.used))
     if bool((done > 1).any()):
         t = int((done > 1).nonzero()[0, 0])
         fail("metadata", f"query row {t} is computed by more than one core; the plan does not fit this call")
-    clipped = torch.zeros_like(k_valid)
-    b = P.rows.batch
-    S1t = torch.tensor(S1, device=b.device)[b] if len(S1) else b
-    S2t = torch.tensor(S2, device=b.device)[b] if len(S2) else b
-    clipped = k_valid & (P.rows.local < S1t - torch.minimum(S1t, S2t))
-    missing = k_valid & ~clipped & (done == 0).any(-1)
+    clipped = valid & (rows.local < S1 - torch.minimum(S1, S2))
+    missing = valid & ~clipped & (done == 0).any(-1)
     if bool(missing.any()):
         t = int(missing.nonzero()[0, 0])
         fail("metadata", f"query row {t} is not covered by the plan; was it built from these lengths?")
-    for t in np.nonzero(clipped.cpu().numpy())[0].tolist():
+    for t in clipped.nonzero().flatten().tolist():
         (o, _), _ = attend_rows(t, t + 1)
         out[t] = o[0]
