@@ -1,0 +1,47 @@
+"""Spawned by test_context_parallel.py: ``python cp_worker.py WORLD OUTDIR RATIO SPARSE``.
+
+Builds one long request (seeded, identical on every rank), gives rank k the k-th shard of the
+raw and compressed caches (uneven cuts, one through the window), runs
+``context_parallel_attention`` over gloo and saves each rank's merged output."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+L, S1, H, D = 700, 5, 4, 16
+
+
+def problem(ratio, sparse):
+    g = torch.Generator().manual_seed(1234 + ratio)
+    q = torch.randn(S1, H, D, generator=g)
+    ori = torch.randn(L, 1, D, generator=g)
+    cmp = torch.randn(L // ratio, 1, D, generator=g) if ratio > 1 else None
+    sinks = torch.randn(H, generator=g)
+    idx = torch.randint(-1, L // ratio + 2, (S1, 1, 16), generator=g, dtype=torch.int32) if sparse else None
+    return q, ori, cmp, sinks, idx
+
+
+def cuts(world):
+    """Uneven shard boundaries; for 2 and 3 ranks one boundary cuts through the window."""
+    return {1: [0, L], 2: [0, 640, L], 3: [0, 260, 650, L]}[world]
+
+
+def worker(rank, world, outdir, ratio, sparse):
+    dist.init_process_group("gloo", init_method=f"file://{outdir}/store", rank=rank, world_size=world)
+    from dsattn.serving import context_parallel_attention
+    q, ori, cmp, sinks, idx = problem(ratio, sparse)
+    c = cuts(world)
+    branch = dict(softmax_scale=D ** -0.5, cmp_ratio=ratio)
+    if cmp is not None:
+        cc = [x // ratio for x in c]
+        branch.update(cmp_shard=cmp[cc[rank]:cc[rank + 1]], cmp_start=cc[rank], cmp_sparse_indices=idx)
+    out = context_parallel_attention(q, ori[c[rank]:c[rank + 1]], c[rank], L, sinks=sinks, **branch)
+    torch.save(out, os.path.join(outdir, f"out{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world, outdir, ratio, sparse = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    mp.spawn(worker, args=(world, outdir, ratio, sparse), nprocs=world, join=True)
