@@ -1,0 +1,199 @@
+"""``DeepseekV4Attention``: one attention layer (00 §3) over paged caches (60-serving).
+
+Composed only of the library's operators: window rows are written with ``store_rows``; a
+compressed layer runs ``compressor_inference`` (slots and rotary rows from
+``compressor_metadata``); a CSA layer also runs the indexer compressor and
+``lightning_indexer``; the attention is ``sparse_attn_sharedkv`` with the step's plan for the
+layer type.  Every length the step needs comes from CPU mirrors (:class:`StepInputs`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..common.rope import rms_norm, rotary
+from ..serving import compressor_metadata, sparse_attn_sharedkv_metadata_host, store_rows
+from .config import V4AttentionConfig, rope_frequencies, rope_tables
+
+INTERLEAVE = 2
+
+
+@dataclass
+class StepInputs:
+    """One step of a batch, device tensors plus the CPU mirrors they were made from."""
+    cu_seqlens_q: torch.Tensor        # [B+1] int32 (device)
+    cu_seqlens_q_cpu: torch.Tensor
+    seqused_kv: torch.Tensor          # [B] int32 L_b (device)
+    seqused_kv_cpu: torch.Tensor
+    start_pos: torch.Tensor           # [B] int32 P_b
+    positions: torch.Tensor           # [T] int64 absolute position of every new token
+    raw_table: torch.Tensor           # [B, pages] int32: window cache and compressor state (block 0 = dummy)
+    cmp_table: torch.Tensor           # [B, pages] int32: compressed and indexer-key caches
+    window_slots: torch.Tensor        # [T] int64 flat slots of the new tokens' window rows
+    plans: dict                       # ratio -> int32 (1024,) plan
+
+
+@dataclass
+class LayerCaches:
+    window: torch.Tensor                       # [pages, page, 1, d]
+    cmp: torch.Tensor | None = None            # [pages, page, 1, d]
+    index_keys: torch.Tensor | None = None     # [pages, page, 1, index_dim]
+    state: torch.Tensor | None = None          # fp32 [pages, page, 2·coff·d]
+    index_state: torch.Tensor | None = None    # fp32 [pages, page, 2·2·index_dim]
+
+
+def _w(g, *shape, scale):
+    return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+
+class DeepseekV4Attention:
+    """Weights as plain tensors (float64 masters; :meth:`weights` casts them to the layer dtype)."""
+
+    def __init__(self, cfg: V4AttentionConfig, ratio: int, *, seed: int = 0, dtype=torch.float32,
+                 max_positions: int = 4096):
+        if ratio not in (0, 4, 128):
+            raise ValueError(f"ratio: value {ratio} is not one of [0, 4, 128]")
+        self.cfg, self.ratio, self.dtype = cfg, ratio, dtype
+        g = torch.Generator().manual_seed(seed)
+        c, h = cfg, cfg.hidden
+        self.master = dict(
+            wq_a=_w(g, c.q_lora_rank, h, scale=h ** -0.5), q_norm=1 + 0.1 * _w(g, c.q_lora_rank, scale=1),
+            wq_b=_w(g, c.heads * c.head_dim, c.q_lora_rank, scale=c.q_lora_rank ** -0.5),
+            wkv=_w(g, c.head_dim, h, scale=h ** -0.5), kv_norm=1 + 0.1 * _w(g, c.head_dim, scale=1),
+            sinks=_w(g, c.heads, scale=1.0),
+            wo_a=_w(g, c.o_groups, c.o_lora_rank, c.heads // c.o_groups * c.head_dim,
+                    scale=(c.heads // c.o_groups * c.head_dim) ** -0.5),
+            wo_b=_w(g, h, c.o_groups * c.o_lora_rank, scale=(c.o_groups * c.o_lora_rank) ** -0.5))
+        if ratio:
+            coff = 2 if ratio == 4 else 1
+            self.coff = coff
+            self.master.update(cmp_wkv=_w(g, coff * c.head_dim, h, scale=h ** -0.5),
+                               cmp_wgate=_w(g, coff * c.head_dim, h, scale=h ** -0.5),
+                               cmp_ape=_w(g, ratio, coff * c.head_dim, scale=0.5),
+                               cmp_norm=1 + 0.1 * _w(g, c.head_dim, scale=1))
+        if ratio == 4:
+            Di = c.index_dim
+            self.master.update(idx_wkv=_w(g, 2 * Di, h, scale=h ** -0.5), idx_wgate=_w(g, 2 * Di, h, scale=h ** -0.5),
+                               idx_ape=_w(g, 4, 2 * Di, scale=0.5), idx_norm=1 + 0.1 * _w(g, Di, scale=1),
+                               idx_wq_b=_w(g, c.index_heads * Di, c.q_lora_rank, scale=c.q_lora_rank ** -0.5),
+                               idx_w=_w(g, c.index_heads, h, scale=h ** -0.5))
+        self.freqs = rope_frequencies(cfg, ratio > 0)
+        self.cos, self.sin = rope_tables(self.freqs, max_positions)
+        self.w = {k: (v.float() if k in ("sinks", "cmp_ape", "idx_ape") else v.to(dtype)) for k, v in self.master.items()}
+
+    # ------------------------------------------------------------------ caches
+    def new_caches(self, num_pages: int) -> LayerCaches:
+        c, p, dt = self.cfg, self.cfg.page_size, self.dtype
+        caches = LayerCaches(window=torch.zeros(num_pages, p, 1, c.head_dim, dtype=dt))
+        if self.ratio:
+            caches.cmp = torch.zeros(num_pages, p, 1, c.head_dim, dtype=dt)
+            caches.state = torch.zeros(num_pages, p, 2 * self.coff * c.head_dim)
+        if self.ratio == 4:
+            caches.index_keys = torch.zeros(num_pages, p, 1, c.index_dim, dtype=dt)
+            caches.index_state = torch.zeros(num_pages, p, 4 * c.index_dim)
+        return caches
+
+    # ------------------------------------------------------------------ forward
+    def _rope(self, t: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        R = self.cfg.rope_dim
+        cos, sin = self.cos[positions], self.sin[positions]
+        if t.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        rot = rotary(t[..., -R:].float(), cos, -sin if inverse else sin, INTERLEAVE).to(t.dtype)
+        return torch.cat([t[..., :-R], rot], -1)
+
+    def forward(self, x: torch.Tensor, step: StepInputs, caches: LayerCaches) -> torch.Tensor:
+        c, w, r = self.cfg, self.w, self.ratio
+        T = x.size(0)
+        B = step.cu_seqlens_q.numel() - 1
+        qr = rms_norm((x @ w["wq_a"].T).float(), w["q_norm"].float(), c.eps).to(x.dtype)
+        q = (qr @ w["wq_b"].T).view(T, c.heads, c.head_dim).float()
+        q = (q * torch.rsqrt((q * q).mean(-1, keepdim=True) + c.eps)).to(x.dtype)
+        q = self._rope(q, step.positions)
+        kv = rms_norm((x @ w["wkv"].T).float(), w["kv_norm"].float(), c.eps).to(x.dtype)
+        kv = self._rope(kv, step.positions)
+        store_rows(caches.window, kv[:, None], step.window_slots)
+        attn_kw = dict(ori_kv=caches.window, ori_block_table=step.raw_table, cu_seqlens_q=step.cu_seqlens_q,
+                       seqused_kv=step.seqused_kv, sinks=w["sinks"], metadata=step.plans.get(r),
+                       softmax_scale=c.softmax_scale, ori_win_left=c.window - 1, layout_q="TND", layout_kv="PA_ND")
+        if r:
+            num_rows = min(T, T // r + B)
+            cos, sin, slots = compressor_metadata(self.cos, self.sin, step.cu_seqlens_q, step.start_pos,
+                                                  step.cmp_table, kv_block_size=c.page_size, compress_ratio=r,
+                                                  num_rows=num_rows)
+            common = dict(state_block_table=step.raw_table, cu_seqlens=step.cu_seqlens_q, start_pos=step.start_pos)
+            ckv = ops.compressor_inference(x, w["cmp_wkv"], w["cmp_wgate"], caches.state, w["cmp_ape"],
+                                           w["cmp_norm"].float(), sin, cos, c.rope_dim, r, coff=self.coff,
+                                           norm_eps=c.eps, rotary_mode=INTERLEAVE, **common)
+            store_rows(caches.cmp, ckv[:, None], slots)
+            attn_kw.update(cmp_kv=caches.cmp, cmp_block_table=step.cmp_table, cmp_ratio=r)
+            if r == 4:
+                ik = ops.compressor_inference(x, w["idx_wkv"], w["idx_wgate"], caches.index_state, w["idx_ape"],
+                                              w["idx_norm"].float(), sin, cos, c.rope_dim, 4, coff=2,
+                                              norm_eps=c.eps, rotary_mode=INTERLEAVE, **common)
+                store_rows(caches.index_keys, ik[:, None], slots)
+                iq = self._rope((qr @ w["idx_wq_b"].T).view(T, c.index_heads, c.index_dim), step.positions)
+                iw = (x @ w["idx_w"].T).float() * (c.index_dim ** -0.5 * c.index_heads ** -0.5)
+                top, _ = ops.lightning_indexer(
+                    iq, caches.index_keys, iw, c.index_topk, cu_seqlens_q=step.cu_seqlens_q,
+                    seqused_k=torch.div(step.seqused_kv, 4, rounding_mode="floor"),
+                    cmp_residual_k=step.seqused_kv % 4, block_table=step.cmp_table, layout_q="TND",
+                    layout_k="PA_BBND", mask_mode=3, cmp_ratio=4)
+                attn_kw["cmp_sparse_indices"] = top
+                self.last_topk = top
+        o, _ = ops.sparse_attn_sharedkv(q, **attn_kw)
+        o = self._rope(o, step.positions, inverse=True)
+        G = c.o_groups
+        o = torch.einsum("tgk,gok->tgo", o.reshape(T, G, -1), w["wo_a"]).reshape(T, -1)
+        return o @ w["wo_b"].T
+
+
+class PagedBatch:
+    """Requests of a serving simulation: page allocation (page 0 is the reserved dummy), block
+    tables, slots, CPU mirrors, and the per-step plans; nothing here reads device memory."""
+
+    def __init__(self, cfg: V4AttentionConfig, num_pages: int, max_pages_per_req: int):
+        self.cfg = cfg
+        self.free = list(range(num_pages - 1, 0, -1))
+        self.raw_pages: dict = {}
+        self.cmp_pages: dict = {}
+        self.lengths: dict = {}
+        self.max_pages = max_pages_per_req
+
+    def _ensure(self, pages: dict, rid, n_entries: int):
+        need = -(-n_entries // self.cfg.page_size)
+        lst = pages.setdefault(rid, [])
+        while len(lst) < need:
+            if not self.free:
+                raise RuntimeError("PagedBatch: out of pages")
+            lst.append(self.free.pop())
+
+    def step(self, requests: list, new_tokens: list[int], heads: int, ratios=(0, 4, 128)) -> StepInputs:
+        from ..serving import build_cu_seqlens_q_cpu, build_seqused_kv_cpu
+        cfg = self.cfg
+        P = [self.lengths.get(rid, 0) for rid in requests]
+        L = [p + n for p, n in zip(P, new_tokens)]
+        for rid, length in zip(requests, L):
+            self._ensure(self.raw_pages, rid, length)
+            self._ensure(self.cmp_pages, rid, length // 4 + 1)
+            self.lengths[rid] = length
+        B = len(requests)
+        raw = torch.full((B, self.max_pages), 0, dtype=torch.int32)
+        cmpt = torch.full((B, self.max_pages), -1, dtype=torch.int32)
+        for b, rid in enumerate(requests):
+            raw[b, :len(self.raw_pages[rid])] = torch.tensor(self.raw_pages[rid], dtype=torch.int32)
+            cmpt[b, :len(self.cmp_pages[rid])] = torch.tensor(self.cmp_pages[rid], dtype=torch.int32)
+        cu = build_cu_seqlens_q_cpu("prefill", seq_lens_cpu=torch.tensor(new_tokens))
+        used = build_seqused_kv_cpu(torch.tensor(L), B)
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(P, new_tokens)]) if B else torch.zeros(0)
+        slots = torch.cat([raw[b, torch.arange(p, p + n) // cfg.page_size].long() * cfg.page_size
+                           + torch.arange(p, p + n) % cfg.page_size for b, (p, n) in enumerate(zip(P, new_tokens))])
+        plans = {}
+        for r in ratios:
+            kw = dict(has_cmp_kv=False, cmp_ratio=1) if r == 0 else dict(cmp_ratio=r, cmp_topk=cfg.index_topk if r == 4 else 0)
+            plans[r] = sparse_attn_sharedkv_metadata_host(heads, 1, cfg.head_dim, "TND", "PA_ND", cu, used,
+                                                          ori_win_left=cfg.window - 1, **kw)
+        return StepInputs(cu, cu, used, used, torch.tensor(P, dtype=torch.int32), positions.long(), raw, cmpt,
+                          slots.long(), plans)
