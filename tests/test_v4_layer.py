@@ -100,3 +100,22 @@ def test_every_mode_matches_dense_reference_and_each_other(ratio):
                     return cc[pages[pos // CFG.page_size], pos % CFG.page_size]
                 a, e = rows(pb, cache), rows(ref_pb, ref_cache)
                 assert torch.allclose(a, e, rtol=1e-5, atol=1e-6), f"{name} {field} request {b}"
+
+
+def test_serving_demo_runs_and_matches_reference():
+    from rich.console import Console
+
+    from dsattn import serving_demo
+    console = Console(record=True, width=160)
+    assert serving_demo.run(requests=5, decode_steps=3, console=console)
+    text = console.export_text()
+    for needle in ("prefill throughput", "decode throughput", "KV row bytes", "planner balance",
+                   "time share: sparse_attn_sharedkv", "dense float64 reference"):
+        assert needle in text
+
+
+def test_ops_demo_still_runs():
+    from rich.console import Console
+
+    from dsattn import demo
+    assert demo.run(tokens=64, console=Console(record=True, width=160))

@@ -34,9 +34,13 @@ def _verify(args) -> int:
 
 
 def _demo(args) -> int:
-    from . import demo
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    return 0 if demo.run(args.tokens, dtype) else 1
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype or
+                                                                                 ("bf16" if args.ops else "fp32")]
+    if args.ops:
+        from . import demo
+        return 0 if demo.run(args.tokens, dtype) else 1
+    from . import serving_demo
+    return 0 if serving_demo.run(args.requests, args.decode_steps, args.preset, dtype, args.budget) else 1
 
 
 def _parse_lengths(text: str) -> list[tuple[int, int]]:
@@ -91,9 +95,17 @@ def main(argv=None) -> int:
     v.add_argument("--quick", action="store_true", help="fp16/bf16 only, no paged cases")
     v.add_argument("--failures-only", action="store_true", help="list failing comparisons only")
     v.set_defaults(fn=_verify)
-    d = sub.add_parser("demo", help="a DeepSeek-V4-Flash CSA step, fast path vs golden")
-    d.add_argument("--tokens", type=int, default=384)
-    d.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    d = sub.add_parser("demo", help="serving simulation: chunked prefill + decode through SWA/CSA/HCA layers")
+    d.add_argument("--requests", type=int, default=32, help="ragged requests (serving simulation)")
+    d.add_argument("--decode-steps", type=int, default=24)
+    d.add_argument("--budget", type=int, default=512, help="tokens per chunked-prefill step")
+    d.add_argument("--preset", choices=("small", "v4-flash"), default="small",
+                   help="layer dimensions: 'small' runs in seconds, 'v4-flash' is the real attention")
+    d.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="default: fp32 (serving simulation), bf16 (--ops)")
+    d.add_argument("--ops", action="store_true",
+                   help="instead: one V4-Flash CSA step, each operator's fast path against its golden")
+    d.add_argument("--tokens", type=int, default=384, help="tokens of the --ops step")
     d.set_defaults(fn=_demo)
     p = sub.add_parser("plan", help="build a sparse_attn_sharedkv_metadata plan and show the per-core load")
     src = p.add_mutually_exclusive_group()

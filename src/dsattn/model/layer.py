@@ -8,6 +8,7 @@ layer type.  Every length the step needs comes from CPU mirrors (:class:`StepInp
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -104,8 +105,10 @@ class DeepseekV4Attention:
         rot = rotary(t[..., -R:].float(), cos, -sin if inverse else sin, INTERLEAVE).to(t.dtype)
         return torch.cat([t[..., :-R], rot], -1)
 
-    def forward(self, x: torch.Tensor, step: StepInputs, caches: LayerCaches) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepInputs, caches: LayerCaches, timer: dict | None = None) -> torch.Tensor:
+        """``timer``: optional dict that accumulates seconds per operator."""
         c, w, r = self.cfg, self.w, self.ratio
+        clock = _Clock(timer)
         T = x.size(0)
         B = step.cu_seqlens_q.numel() - 1
         qr = rms_norm((x @ w["wq_a"].T).float(), w["q_norm"].float(), c.eps).to(x.dtype)
@@ -114,40 +117,66 @@ class DeepseekV4Attention:
         q = self._rope(q, step.positions)
         kv = rms_norm((x @ w["wkv"].T).float(), w["kv_norm"].float(), c.eps).to(x.dtype)
         kv = self._rope(kv, step.positions)
-        store_rows(caches.window, kv[:, None], step.window_slots)
+        with clock("store_rows"):
+            store_rows(caches.window, kv[:, None], step.window_slots)
         attn_kw = dict(ori_kv=caches.window, ori_block_table=step.raw_table, cu_seqlens_q=step.cu_seqlens_q,
                        seqused_kv=step.seqused_kv, sinks=w["sinks"], metadata=step.plans.get(r),
                        softmax_scale=c.softmax_scale, ori_win_left=c.window - 1, layout_q="TND", layout_kv="PA_ND")
         if r:
             num_rows = min(T, T // r + B)
-            cos, sin, slots = compressor_metadata(self.cos, self.sin, step.cu_seqlens_q, step.start_pos,
-                                                  step.cmp_table, kv_block_size=c.page_size, compress_ratio=r,
-                                                  num_rows=num_rows)
+            with clock("compressor_metadata"):
+                cos, sin, slots = compressor_metadata(self.cos, self.sin, step.cu_seqlens_q, step.start_pos,
+                                                      step.cmp_table, kv_block_size=c.page_size,
+                                                      compress_ratio=r, num_rows=num_rows)
             common = dict(state_block_table=step.raw_table, cu_seqlens=step.cu_seqlens_q, start_pos=step.start_pos)
-            ckv = ops.compressor_inference(x, w["cmp_wkv"], w["cmp_wgate"], caches.state, w["cmp_ape"],
-                                           w["cmp_norm"].float(), sin, cos, c.rope_dim, r, coff=self.coff,
-                                           norm_eps=c.eps, rotary_mode=INTERLEAVE, **common)
-            store_rows(caches.cmp, ckv[:, None], slots)
+            with clock("compressor_inference"):
+                ckv = ops.compressor_inference(x, w["cmp_wkv"], w["cmp_wgate"], caches.state, w["cmp_ape"],
+                                               w["cmp_norm"].float(), sin, cos, c.rope_dim, r, coff=self.coff,
+                                               norm_eps=c.eps, rotary_mode=INTERLEAVE, **common)
+            with clock("store_rows"):
+                store_rows(caches.cmp, ckv[:, None], slots)
             attn_kw.update(cmp_kv=caches.cmp, cmp_block_table=step.cmp_table, cmp_ratio=r)
             if r == 4:
-                ik = ops.compressor_inference(x, w["idx_wkv"], w["idx_wgate"], caches.index_state, w["idx_ape"],
-                                              w["idx_norm"].float(), sin, cos, c.rope_dim, 4, coff=2,
-                                              norm_eps=c.eps, rotary_mode=INTERLEAVE, **common)
-                store_rows(caches.index_keys, ik[:, None], slots)
+                with clock("compressor_inference"):
+                    ik = ops.compressor_inference(x, w["idx_wkv"], w["idx_wgate"], caches.index_state,
+                                                  w["idx_ape"], w["idx_norm"].float(), sin, cos, c.rope_dim, 4,
+                                                  coff=2, norm_eps=c.eps, rotary_mode=INTERLEAVE, **common)
+                with clock("store_rows"):
+                    store_rows(caches.index_keys, ik[:, None], slots)
                 iq = self._rope((qr @ w["idx_wq_b"].T).view(T, c.index_heads, c.index_dim), step.positions)
                 iw = (x @ w["idx_w"].T).float() * (c.index_dim ** -0.5 * c.index_heads ** -0.5)
-                top, _ = ops.lightning_indexer(
-                    iq, caches.index_keys, iw, c.index_topk, cu_seqlens_q=step.cu_seqlens_q,
-                    seqused_k=torch.div(step.seqused_kv, 4, rounding_mode="floor"),
-                    cmp_residual_k=step.seqused_kv % 4, block_table=step.cmp_table, layout_q="TND",
-                    layout_k="PA_BBND", mask_mode=3, cmp_ratio=4)
+                with clock("lightning_indexer"):
+                    top, _ = ops.lightning_indexer(
+                        iq, caches.index_keys, iw, c.index_topk, cu_seqlens_q=step.cu_seqlens_q,
+                        seqused_k=torch.div(step.seqused_kv, 4, rounding_mode="floor"),
+                        cmp_residual_k=step.seqused_kv % 4, block_table=step.cmp_table, layout_q="TND",
+                        layout_k="PA_BBND", mask_mode=3, cmp_ratio=4)
                 attn_kw["cmp_sparse_indices"] = top
                 self.last_topk = top
-        o, _ = ops.sparse_attn_sharedkv(q, **attn_kw)
+        with clock("sparse_attn_sharedkv"):
+            o, _ = ops.sparse_attn_sharedkv(q, **attn_kw)
         o = self._rope(o, step.positions, inverse=True)
         G = c.o_groups
         o = torch.einsum("tgk,gok->tgo", o.reshape(T, G, -1), w["wo_a"]).reshape(T, -1)
         return o @ w["wo_b"].T
+
+
+class _Clock:
+    """Accumulates wall seconds per name into a dict (or does nothing without one)."""
+
+    def __init__(self, sink: dict | None):
+        self.sink, self.name = sink, None
+
+    def __call__(self, name: str):
+        self.name = name
+        return self
+
+    def __enter__(self):
+        self.t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.sink is not None:
+            self.sink[self.name] = self.sink.get(self.name, 0.0) + time.perf_counter() - self.t
 
 
 class PagedBatch:
