@@ -119,3 +119,79 @@ def test_ops_demo_still_runs():
 
     from dsattn import demo
     assert demo.run(tokens=64, console=Console(record=True, width=160))
+
+
+def _decode_setup(ratio, gen, poison=True):
+    """Three requests prefilled, then one decode step padded to a bucket of 5 (graph replay)."""
+    layer = DeepseekV4Attention(CFG, ratio, seed=5)
+    pb = PagedBatch(CFG, 64, 16)
+    caches = layer.new_caches(64)
+    if poison:
+        for t in vars(caches).values():
+            if t is not None:
+                t.fill_(float("nan"))
+    lens = [40, 17, 33]
+    X = [torch.randn(L + 1, CFG.hidden, generator=gen) for L in lens]
+    step = pb.step([0, 1, 2], lens, CFG.heads)
+    layer.forward(torch.cat([x[:-1] for x in X]), step, caches)
+    return layer, pb, caches, X
+
+
+def _snapshot(caches):
+    return {k: v.clone() for k, v in vars(caches).items() if v is not None}
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128], ids=["SWA", "CSA", "HCA"])
+def test_padded_decode_step_reads_no_device_data_and_padding_changes_nothing(ratio, gen, monkeypatch):
+    import dsattn
+    layer, pb, caches, X = _decode_setup(ratio, gen)
+    x_dec = torch.cat([x[-1:] for x in X])
+    # reference: the unpadded decode step on a copy of the caches
+    pb_ref = PagedBatch(CFG, 64, 16)
+    pb_ref.__dict__.update({k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+                            for k, v in pb.__dict__.items()})
+    ref_caches = type(caches)(**_snapshot(caches))
+    want = layer.forward(x_dec, pb_ref.step([0, 1, 2], [1, 1, 1], CFG.heads), ref_caches)
+    # the padded step, built on the host first, then run with every host read forbidden
+    step = pb.step([0, 1, 2], [1, 1, 1], CFG.heads, pad_to=5)
+    assert step.seqused_kv.tolist()[3:] == [1, 1] and step.window_slots.tolist()[3:] == [-1, -1]
+    x_pad = torch.cat([x_dec, torch.full((2, CFG.hidden), 7.0)])
+
+    def forbidden(*a, **k):
+        raise AssertionError("host read of tensor data inside the decode step")
+    dsattn.set_content_checks(False)
+    try:
+        for name in ("item", "cpu", "tolist", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, forbidden)
+        monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+        got = layer.forward(x_pad, step, caches)
+    finally:
+        monkeypatch.undo()
+        dsattn.set_content_checks(True)
+    assert torch.allclose(got[:3], want, rtol=1e-5, atol=1e-6)
+    for k, v in _snapshot(caches).items():
+        e = getattr(ref_caches, k)
+        # padding wrote nothing: the same rows are still NaN (unwritten) as after the unpadded step;
+        # written rows agree to rounding (a GEMM over 5 rows need not be bitwise the one over 3)
+        assert torch.equal(v.isnan(), e.isnan()), k
+        assert torch.allclose(v.nan_to_num(0.0), e.nan_to_num(0.0), rtol=1e-5, atol=1e-6), k
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128], ids=["SWA", "CSA", "HCA"])
+def test_decode_step_compiles_fullgraph(ratio, gen):
+    import dsattn
+    layer, pb, caches, X = _decode_setup(ratio, gen, poison=False)
+    step = pb.step([0, 1, 2], [1, 1, 1], CFG.heads, pad_to=4)
+    x = torch.cat([torch.cat([x[-1:] for x in X]), torch.zeros(1, CFG.hidden)])
+    eager_caches = type(caches)(**_snapshot(caches))
+    want = layer.forward(x, step, eager_caches)
+    torch._dynamo.reset()
+    dsattn.set_content_checks(False)
+    try:
+        got = torch.compile(lambda x, st, c: layer.forward(x, st, c), fullgraph=True, backend="aot_eager")(
+            x, step, caches)
+    finally:
+        dsattn.set_content_checks(True)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    for k, v in _snapshot(caches).items():
+        assert torch.allclose(v, getattr(eager_caches, k), rtol=1e-6, atol=1e-7), k

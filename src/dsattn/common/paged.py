@@ -18,9 +18,9 @@ def write_rows(flat_cache: torch.Tensor, target: torch.Tensor, keep: torch.Tenso
     if target.numel() == 0 or flat_cache.size(0) == 0:
         return
     values = values.to(flat_cache.dtype)
-    first = torch.argmax(keep.to(torch.int8))
-    target0 = torch.where(keep[first], target[first], torch.zeros_like(target[first]))
-    value0 = torch.where(keep[first], values[first], flat_cache[target0])
     shape = (-1,) + (1,) * (values.dim() - 1)
-    flat_cache.index_put_((torch.where(keep, target, target0),),
-                          torch.where(keep.view(shape), values, value0[None]))
+    first = torch.argmax(keep.to(torch.int8)).reshape(1)           # index ops only: no data-dependent int
+    keep0 = keep.index_select(0, first)
+    target0 = torch.where(keep0, target.index_select(0, first), torch.zeros_like(keep0, dtype=target.dtype))
+    value0 = torch.where(keep0.view(shape), values.index_select(0, first), flat_cache.index_select(0, target0))
+    flat_cache.index_put_((torch.where(keep, target, target0),), torch.where(keep.view(shape), values, value0))

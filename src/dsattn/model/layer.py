@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
 from ..common.rope import rms_norm, rotary
 from ..serving import compressor_metadata, sparse_attn_sharedkv_metadata_host, store_rows
 from .config import V4AttentionConfig, rope_frequencies, rope_tables
@@ -130,7 +129,7 @@ class DeepseekV4Attention:
                                                       compress_ratio=r, num_rows=num_rows)
             common = dict(state_block_table=step.raw_table, cu_seqlens=step.cu_seqlens_q, start_pos=step.start_pos)
             with clock("compressor_inference"):
-                ckv = ops.compressor_inference(x, w["cmp_wkv"], w["cmp_wgate"], caches.state, w["cmp_ape"],
+                ckv = torch.ops.dsattn.compressor_inference(x, w["cmp_wkv"], w["cmp_wgate"], caches.state, w["cmp_ape"],
                                                w["cmp_norm"].float(), sin, cos, c.rope_dim, r, coff=self.coff,
                                                norm_eps=c.eps, rotary_mode=INTERLEAVE, **common)
             with clock("store_rows"):
@@ -138,7 +137,7 @@ class DeepseekV4Attention:
             attn_kw.update(cmp_kv=caches.cmp, cmp_block_table=step.cmp_table, cmp_ratio=r)
             if r == 4:
                 with clock("compressor_inference"):
-                    ik = ops.compressor_inference(x, w["idx_wkv"], w["idx_wgate"], caches.index_state,
+                    ik = torch.ops.dsattn.compressor_inference(x, w["idx_wkv"], w["idx_wgate"], caches.index_state,
                                                   w["idx_ape"], w["idx_norm"].float(), sin, cos, c.rope_dim, 4,
                                                   coff=2, norm_eps=c.eps, rotary_mode=INTERLEAVE, **common)
                 with clock("store_rows"):
@@ -146,7 +145,7 @@ class DeepseekV4Attention:
                 iq = self._rope((qr @ w["idx_wq_b"].T).view(T, c.index_heads, c.index_dim), step.positions)
                 iw = (x @ w["idx_w"].T).float() * (c.index_dim ** -0.5 * c.index_heads ** -0.5)
                 with clock("lightning_indexer"):
-                    top, _ = ops.lightning_indexer(
+                    top, _ = torch.ops.dsattn.lightning_indexer(
                         iq, caches.index_keys, iw, c.index_topk, cu_seqlens_q=step.cu_seqlens_q,
                         seqused_k=torch.div(step.seqused_kv, 4, rounding_mode="floor"),
                         cmp_residual_k=step.seqused_kv % 4, block_table=step.cmp_table, layout_q="TND",
@@ -154,7 +153,7 @@ class DeepseekV4Attention:
                 attn_kw["cmp_sparse_indices"] = top
                 self.last_topk = top
         with clock("sparse_attn_sharedkv"):
-            o, _ = ops.sparse_attn_sharedkv(q, **attn_kw)
+            o, _ = torch.ops.dsattn.sparse_attn_sharedkv(q, **attn_kw)
         o = self._rope(o, step.positions, inverse=True)
         G = c.o_groups
         o = torch.einsum("tgk,gok->tgo", o.reshape(T, G, -1), w["wo_a"]).reshape(T, -1)
@@ -172,7 +171,8 @@ class _Clock:
         return self
 
     def __enter__(self):
-        self.t = time.perf_counter()
+        if self.sink is not None:                  # no clock reads otherwise (graph capture, compile)
+            self.t = time.perf_counter()
 
     def __exit__(self, *exc):
         if self.sink is not None:
@@ -199,26 +199,37 @@ class PagedBatch:
                 raise RuntimeError("PagedBatch: out of pages")
             lst.append(self.free.pop())
 
-    def step(self, requests: list, new_tokens: list[int], heads: int, ratios=(0, 4, 128)) -> StepInputs:
+    def step(self, requests: list, new_tokens: list[int], heads: int, ratios=(0, 4, 128),
+             pad_to: int | None = None) -> StepInputs:
+        """The step's inputs.  ``pad_to`` (decode under graph replay) appends padding requests up to
+        a batch bucket: one query token each, key length clamped to 1 (the dummy page 0), window slot
+        -1, compressor start 0 over block 0 (not backed): they read only the dummy page and write
+        nothing."""
         from ..serving import build_cu_seqlens_q_cpu, build_seqused_kv_cpu
         cfg = self.cfg
+        pad = 0 if pad_to is None else pad_to - len(requests)
+        if pad < 0:
+            raise ValueError(f"pad_to: {pad_to} is smaller than the {len(requests)} requests of the step")
         P = [self.lengths.get(rid, 0) for rid in requests]
         L = [p + n for p, n in zip(P, new_tokens)]
         for rid, length in zip(requests, L):
             self._ensure(self.raw_pages, rid, length)
             self._ensure(self.cmp_pages, rid, length // 4 + 1)
             self.lengths[rid] = length
-        B = len(requests)
+        B = len(requests) + pad
         raw = torch.full((B, self.max_pages), 0, dtype=torch.int32)
         cmpt = torch.full((B, self.max_pages), -1, dtype=torch.int32)
         for b, rid in enumerate(requests):
             raw[b, :len(self.raw_pages[rid])] = torch.tensor(self.raw_pages[rid], dtype=torch.int32)
             cmpt[b, :len(self.cmp_pages[rid])] = torch.tensor(self.cmp_pages[rid], dtype=torch.int32)
+        P, L, new_tokens = P + [0] * pad, L + [0] * pad, list(new_tokens) + [1] * pad
         cu = build_cu_seqlens_q_cpu("prefill", seq_lens_cpu=torch.tensor(new_tokens))
-        used = build_seqused_kv_cpu(torch.tensor(L), B)
+        used = build_seqused_kv_cpu(torch.tensor(L), B)              # padding: clamped to 1 key
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(P, new_tokens)]) if B else torch.zeros(0)
         slots = torch.cat([raw[b, torch.arange(p, p + n) // cfg.page_size].long() * cfg.page_size
                            + torch.arange(p, p + n) % cfg.page_size for b, (p, n) in enumerate(zip(P, new_tokens))])
+        if pad:
+            slots[-pad:] = -1                                         # padding tokens write no window row
         plans = {}
         for r in ratios:
             kw = dict(has_cmp_kv=False, cmp_ratio=1) if r == 0 else dict(cmp_ratio=r, cmp_topk=cfg.index_topk if r == 4 else 0)

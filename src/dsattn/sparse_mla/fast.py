@@ -30,9 +30,11 @@ BANDED_BLOCK = 64        # query rows per banded block
 
 
 def _use_banded(P: MlaProblem) -> bool:
-    """On the CPU the batch extents can be read for free; elsewhere that would be a sync."""
-    return (P.q.device.type == "cpu" and P.q.dtype != torch.float64 and not uses_flash(P.q.dtype, P.q.device)
-            and P.rows.max_extent >= BANDED_MIN_ROWS)
+    """The banded path reads the batch extents on the host: free on the CPU, a sync elsewhere.
+    It runs only where host reads are allowed at all (content checks on: not during graph
+    capture, not on fake tensors, not after ``set_content_checks(False)``)."""
+    return (P.q.device.type == "cpu" and P.content and P.q.dtype != torch.float64
+            and not uses_flash(P.q.dtype, P.q.device) and P.rows.max_extent >= BANDED_MIN_ROWS)
 
 
 def _forward_banded(P: MlaProblem, out, lse, cdt):
