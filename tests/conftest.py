@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one intra-op thread per xdist worker: with -n 2 on 2 cores, two threads per worker
+    # oversubscribe the machine and small-op tests slow down several-fold
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
