@@ -28,8 +28,10 @@ def cuts(world):
     return {1: [0, L], 2: [0, 640, L], 3: [0, 260, 650, L]}[world]
 
 
-def worker(rank, world, outdir, ratio, sparse):
-    dist.init_process_group("gloo", init_method=f"file://{outdir}/store", rank=rank, world_size=world)
+def worker(rank, world, outdir, ratio, sparse, fail_rank=-1):
+    import datetime
+    dist.init_process_group("gloo", init_method=f"file://{outdir}/store", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     from dsattn.serving import context_parallel_attention
     q, ori, cmp, sinks, idx = problem(ratio, sparse)
     c = cuts(world)
@@ -37,6 +39,8 @@ def worker(rank, world, outdir, ratio, sparse):
     if cmp is not None:
         cc = [x // ratio for x in c]
         branch.update(cmp_shard=cmp[cc[rank]:cc[rank + 1]], cmp_start=cc[rank], cmp_sparse_indices=idx)
+    if rank == fail_rank:
+        sinks = sinks.double()                   # a bad argument on one rank: TypeError naming sinks
     out = context_parallel_attention(q, ori[c[rank]:c[rank + 1]], c[rank], L, sinks=sinks, **branch)
     torch.save(out, os.path.join(outdir, f"out{rank}.pt"))
     dist.destroy_process_group()
@@ -44,4 +48,5 @@ def worker(rank, world, outdir, ratio, sparse):
 
 if __name__ == "__main__":
     world, outdir, ratio, sparse = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
-    mp.spawn(worker, args=(world, outdir, ratio, sparse), nprocs=world, join=True)
+    fail_rank = int(sys.argv[5]) if len(sys.argv) > 5 else -1
+    mp.spawn(worker, args=(world, outdir, ratio, sparse, fail_rank), nprocs=world, join=True)

@@ -62,3 +62,13 @@ def test_sink_counted_once_and_empty_shards():
     # the first shard holds no window key; with no compressed key selected there it is empty
     no_keys = shard_partial(q, ori[:0], 0, L, softmax_scale=D ** -0.5)
     assert not no_keys[2].any()
+
+
+def test_a_failing_rank_fails_the_run_with_its_error_within_the_timeout(tmp_path):
+    """Rank 1 raises before the collectives; the others, blocked in all_gather, are stopped and the
+    launcher reports rank 1's error (well within the 180 s guard)."""
+    proc = subprocess.run([sys.executable, str(Path(cp_worker.__file__)), "3", str(tmp_path), "4", "1", "1"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "sinks: dtype torch.float64 is not supported" in proc.stderr
+    assert "Process 1 terminated" in proc.stderr

@@ -99,7 +99,10 @@ def test_every_mode_matches_dense_reference_and_each_other(ratio):
                     pos = torch.arange(n)
                     return cc[pages[pos // CFG.page_size], pos % CFG.page_size]
                 a, e = rows(pb, cache), rows(ref_pb, ref_cache)
-                assert torch.allclose(a, e, rtol=1e-5, atol=1e-6), f"{name} {field} request {b}"
+                # equal up to fp32 rounding: the projections' GEMMs see other batch shapes per path, and a
+                # compressed row passes that noise through a softmax pooling and an RMSNorm
+                assert torch.equal(a.isnan(), e.isnan()), f"{name} {field} request {b}"
+                assert torch.allclose(a, e, rtol=1e-4, atol=1e-5), f"{name} {field} request {b}"
 
 
 def test_serving_demo_runs_and_matches_reference():
@@ -195,3 +198,52 @@ def test_decode_step_compiles_fullgraph(ratio, gen):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     for k, v in _snapshot(caches).items():
         assert torch.allclose(v, getattr(eager_caches, k), rtol=1e-6, atol=1e-7), k
+
+
+def test_demo_cli_smoke():
+    """`dsattn demo --steps 2` as CI runs it."""
+    from dsattn.cli import main
+    assert main(["demo", "--steps", "2"]) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_cuda_graph_capture_and_replay_match_eager():
+    """60 §5 on a GPU: capture a padded decode step, refresh the inputs in place, replay; the result
+    must equal an eager call on the same inputs."""
+    import dsattn
+    torch.manual_seed(0)
+    layer = DeepseekV4Attention(CFG, 4, seed=5)
+    layer.w = {k: v.cuda() for k, v in layer.w.items()}
+    layer.cos, layer.sin = layer.cos.cuda(), layer.sin.cuda()
+    pb = PagedBatch(CFG, 64, 16)
+    caches = layer.new_caches(64)
+    for k, v in vars(caches).items():
+        if v is not None:
+            setattr(caches, k, v.cuda())
+    X = [torch.randn(L + 2, CFG.hidden, device="cuda") for L in (40, 17, 33)]
+    pre = pb.step([0, 1, 2], [40, 17, 33], CFG.heads)
+    to_cuda = lambda st: type(st)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else  # noqa: E731
+                                          {r: p.cuda() for r, p in v.items()} if isinstance(v, dict) else v)
+                                       for k, v in vars(st).items()})
+    layer.forward(torch.cat([x[:-2] for x in X]), to_cuda(pre), caches)
+    static_step = to_cuda(pb.step([0, 1, 2], [1, 1, 1], CFG.heads, pad_to=4))
+    static_x = torch.cat([torch.cat([x[-2:-1] for x in X]), torch.zeros(1, CFG.hidden, device="cuda")])
+    snapshot = {k: v.clone() for k, v in vars(caches).items() if v is not None}
+    dsattn.set_content_checks(False)
+    try:
+        layer.forward(static_x, static_step, caches)                       # warm-up
+        for k, v in snapshot.items():
+            getattr(caches, k).copy_(v)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer.forward(static_x, static_step, caches)
+        for k, v in snapshot.items():
+            getattr(caches, k).copy_(v)
+        graph.replay()
+        replayed = static_out.clone()
+        for k, v in snapshot.items():
+            getattr(caches, k).copy_(v)
+        eager = layer.forward(static_x, static_step, caches)
+    finally:
+        dsattn.set_content_checks(True)
+    assert torch.allclose(replayed, eager, rtol=1e-5, atol=1e-6)

@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     v.set_defaults(fn=_verify)
     d = sub.add_parser("demo", help="serving simulation: chunked prefill + decode through SWA/CSA/HCA layers")
     d.add_argument("--requests", type=int, default=32, help="ragged requests (serving simulation)")
-    d.add_argument("--decode-steps", type=int, default=24)
+    d.add_argument("--decode-steps", "--steps", dest="decode_steps", type=int, default=24,
+                   help="decode steps after the chunked prefill")
     d.add_argument("--budget", type=int, default=512, help="tokens per chunked-prefill step")
     d.add_argument("--preset", choices=("small", "v4-flash"), default="small",
                    help="layer dimensions: 'small' runs in seconds, 'v4-flash' is the real attention")
