@@ -14,17 +14,23 @@ CFG = PRESETS["small"]
 LENS = [70, 37, 45]
 
 
+def fresh(layer, pages, poison=True):
+    """A page allocator and the layer's caches; every cache NaN when ``poison``."""
+    pb = PagedBatch(CFG, pages, 16)
+    caches = layer.new_caches(pages)
+    if poison:
+        for t in vars(caches).values():
+            if t is not None:
+                t.fill_(float("nan"))
+    return pb, caches
+
+
 def run(layer, X, schedule, poison=True):
     """``schedule``: list of steps, each {request: new tokens}.  Returns per-request outputs of
     every token, the CSA top-k rows per request, and the caches.  Every cache starts NaN
     (``poison``): a read of a row nothing wrote, of the dummy page or past a request's length
     shows up as NaN in the outputs."""
-    pb = PagedBatch(CFG, 96, 16)
-    caches = layer.new_caches(96)
-    if poison:
-        for t in vars(caches).values():
-            if t is not None:
-                t.fill_(float("nan"))
+    pb, caches = fresh(layer, 96, poison)
     done = {b: 0 for b in range(len(X))}
     outs = {b: [] for b in range(len(X))}
     tops = {b: [] for b in range(len(X))}
@@ -127,12 +133,7 @@ def test_ops_demo_still_runs():
 def _decode_setup(ratio, gen, poison=True):
     """Three requests prefilled, then one decode step padded to a bucket of 5 (graph replay)."""
     layer = DeepseekV4Attention(CFG, ratio, seed=5)
-    pb = PagedBatch(CFG, 64, 16)
-    caches = layer.new_caches(64)
-    if poison:
-        for t in vars(caches).values():
-            if t is not None:
-                t.fill_(float("nan"))
+    pb, caches = fresh(layer, 64, poison)
     lens = [40, 17, 33]
     X = [torch.randn(L + 1, CFG.hidden, generator=gen) for L in lens]
     step = pb.step([0, 1, 2], lens, CFG.heads)
