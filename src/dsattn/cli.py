@@ -69,7 +69,8 @@ def _plan(args) -> int:
     for col in ("core", "range (bn2, m, s2)", "whole rows", "split pieces", "units", "cost", "share of ideal"):
         table.add_column(col, justify="right")
     for c, start, end in zip(loads, plan.starts, plan.ends):
-        table.add_row(str(c.core), f"{start[0]},{start[1]},{start[2]} → {end[0]},{end[1]},{end[2]}", str(c.rows), str(c.partial), str(c.units), str(c.cost),
+        span = f"{start[0]},{start[1]},{start[2]} → {end[0]},{end[1]},{end[2]}"
+        table.add_row(str(c.core), span, str(c.rows), str(c.partial), str(c.units), str(c.cost),
                       f"{c.cost / ideal:.2f}" if ideal else "-")
     console.print(table)
     console.print(f"enabled cores {plan.used_cores}/{args.cores}, FD tasks "

@@ -94,7 +94,8 @@ def gather_everything(q, kw):
     s = s.masked_fill(~mask[:, None], float("-inf"))
     m = torch.maximum(s.amax(-1), kw["sinks"])
     e = torch.exp(s - m[..., None])
-    return torch.einsum("lhw,lwd->lhd", e.bfloat16().float(), keys) / (e.sum(-1) + torch.exp(kw["sinks"] - m))[..., None]
+    den = e.sum(-1) + torch.exp(kw["sinks"] - m)
+    return torch.einsum("lhw,lwd->lhd", e.bfloat16().float(), keys) / den[..., None]
 
 
 def memory_run(L: int, impl: str, chunk: int = 0) -> dict:

@@ -30,7 +30,6 @@ def qsfa_case(layout_q: str = "TND", layout_kv: str = "PA_BSND", dtype=torch.bfl
     bs = sparse_block_size
     if lengths is None:
         lengths = [(5, 37), (3, 2), (4, 21)] if layout_q == "TND" else [(4, 37), (4, 2), (3, 21)]
-    B = len(lengths)
     S1s, S2s = [a for a, _ in lengths], [b for _, b in lengths]
     qd = 512 + rope_head_dim
     q_rows = [_randn(g, s, H, qd, dtype=dtype, scale=0.1) for s in S1s]

@@ -81,7 +81,8 @@ class DeepseekV4Attention:
                                idx_w=_w(g, c.index_heads, h, scale=h ** -0.5))
         self.freqs = rope_frequencies(cfg, ratio > 0)
         self.cos, self.sin = rope_tables(self.freqs, max_positions)
-        self.w = {k: (v.float() if k in ("sinks", "cmp_ape", "idx_ape") else v.to(dtype)) for k, v in self.master.items()}
+        fp32 = ("sinks", "cmp_ape", "idx_ape")                     # float32 by the operators' contracts
+        self.w = {k: (v.float() if k in fp32 else v.to(dtype)) for k, v in self.master.items()}
 
     # ------------------------------------------------------------------ caches
     def new_caches(self, num_pages: int) -> LayerCaches:
@@ -104,7 +105,8 @@ class DeepseekV4Attention:
         rot = rotary(t[..., -R:].float(), cos, -sin if inverse else sin, INTERLEAVE).to(t.dtype)
         return torch.cat([t[..., :-R], rot], -1)
 
-    def forward(self, x: torch.Tensor, step: StepInputs, caches: LayerCaches, timer: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepInputs, caches: LayerCaches,
+                timer: dict | None = None) -> torch.Tensor:
         """``timer``: optional dict that accumulates seconds per operator."""
         c, w, r = self.cfg, self.w, self.ratio
         clock = _Clock(timer)
@@ -232,7 +234,10 @@ class PagedBatch:
             slots[-pad:] = -1                                         # padding tokens write no window row
         plans = {}
         for r in ratios:
-            kw = dict(has_cmp_kv=False, cmp_ratio=1) if r == 0 else dict(cmp_ratio=r, cmp_topk=cfg.index_topk if r == 4 else 0)
+            if r == 0:
+                kw = dict(has_cmp_kv=False, cmp_ratio=1)
+            else:
+                kw = dict(cmp_ratio=r, cmp_topk=cfg.index_topk if r == 4 else 0)
             plans[r] = sparse_attn_sharedkv_metadata_host(heads, 1, cfg.head_dim, "TND", "PA_ND", cu, used,
                                                           ori_win_left=cfg.window - 1, **kw)
         return StepInputs(cu, cu, used, used, torch.tensor(P, dtype=torch.int32), positions.long(), raw, cmpt,

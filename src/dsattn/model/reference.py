@@ -16,7 +16,6 @@ def _rms(x, w, eps):
 
 
 def _rope(layer, t, positions, inverse=False):
-    from ..compressor.ref import rotary_literal  # noqa: F401  (the formula; vectorised here)
     cos, sin = rope_tables(layer.freqs, int(positions.max()) + 1 if positions.numel() else 1)
     cos, sin = cos.double()[positions], sin.double()[positions]
     if t.dim() == 3:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .params import INF, S2_BASE, PlanParams, cdiv
+from .params import S2_BASE, PlanParams, cdiv
 
 
 def cost(M: int, N: int) -> int:

@@ -24,7 +24,8 @@ def check_metadata(metadata: torch.Tensor | None) -> None:
         return
     check_int32("metadata", metadata)
     if tuple(metadata.shape) != (TABLE_SIZE,):
-        fail("metadata", f"expected shape ({TABLE_SIZE},) from sparse_attn_sharedkv_metadata, got {tuple(metadata.shape)}")
+        fail("metadata", f"expected shape ({TABLE_SIZE},) from sparse_attn_sharedkv_metadata, "
+             f"got {tuple(metadata.shape)}")
 
 
 def parse_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
