@@ -91,3 +91,27 @@ def test_compressor_metadata_matches_the_compressor_packing(fmt, gen):
     out = ops.compressor(x, w, w.clone(), state, torch.zeros(4, 32), r, cu_seqlens=cu, coff=2,
                          start_pos=torch.tensor([0, 0, 0], dtype=torch.int32))
     assert out.size(0) == num_rows
+
+
+def test_compressor_metadata_and_layer_errors():
+    from dsattn.model import DeepseekV4Attention
+    from dsattn.model.config import PRESETS
+    from dsattn.model.layer import PagedBatch
+    cos = torch.ones(8, 4)
+    cu, sp, table = torch.tensor([0, 4], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), \
+        torch.zeros(1, 2, dtype=torch.int32)
+    f = serving.compressor_metadata
+    with pytest.raises(ValueError, match="^slot_mapping_format"):
+        f(cos, cos, cu, sp, table, kv_block_size=4, compress_ratio=4, num_rows=2, slot_mapping_format="pairs")
+    with pytest.raises(TypeError, match="^rope_cos"):
+        f(cos.double(), cos, cu, sp, table, kv_block_size=4, compress_ratio=4, num_rows=2)
+    with pytest.raises(TypeError, match="^start_pos"):
+        f(cos, cos, cu, sp.long(), table, kv_block_size=4, compress_ratio=4, num_rows=2)
+    with pytest.raises(ValueError, match="^start_pos"):
+        f(cos, cos, cu, torch.zeros(2, dtype=torch.int32), table, kv_block_size=4, compress_ratio=4, num_rows=2)
+    with pytest.raises(ValueError, match="^ratio"):
+        DeepseekV4Attention(PRESETS["small"], 8)
+    with pytest.raises(ValueError, match="^pad_to"):
+        PagedBatch(PRESETS["small"], 8, 4).step([0, 1], [1, 1], 4, pad_to=1)
+    with pytest.raises(ValueError, match="^group"):
+        serving.context_parallel_attention(torch.zeros(1, 2, 16), torch.zeros(4, 1, 16), 0, 4, softmax_scale=0.25)
