@@ -105,6 +105,37 @@ def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch
     return out, lse
 
 
+def attend_branches(scores, masks, values, scale: float, sinks: torch.Tensor | None, qdtype: torch.dtype):
+    """One softmax over several key branches of the same query rows, as the golden computes it:
+    a single maximum over every branch's keys (and the sink), P rounded to the query dtype before
+    P·V, the sink's exponential only in the denominator.
+
+    ``scores``: list of unscaled ``q·k`` ``[n, H, W_i]``; ``masks``: list of ``[n, W_i]`` real keys;
+    ``values``: list of ``("shared", V [W_i, D])`` (one key set for every row) or
+    ``("per_row", V [n, W_i, D])``.  Returns ``(out [n, H, D], lse [n, H], has [n, 1])``: rows
+    without a key get 0 / 0 and ``has`` False."""
+    s = [scale * x.masked_fill(~m[:, None, :], float("-inf")) for x, m in zip(scores, masks)]
+    m_ = torch.stack([x.amax(-1) for x in s]).amax(0)
+    if sinks is not None:
+        m_ = torch.maximum(m_, sinks.to(m_.dtype))
+    m_ = torch.where(torch.isfinite(m_), m_, torch.zeros_like(m_))
+    l = torch.zeros_like(m_)
+    acc = None
+    for x, (kind, V) in zip(s, values):
+        e = torch.exp(x - m_[..., None])
+        l = l + e.sum(-1)
+        pe = round_q(e, qdtype)
+        part = torch.einsum("nhu,ud->nhd", pe, V) if kind == "shared" else torch.einsum("nhw,nwd->nhd", pe, V)
+        acc = part if acc is None else acc + part
+    if sinks is not None:
+        l = l + torch.exp(sinks.to(m_.dtype) - m_)
+    has = torch.stack([m.any(-1) for m in masks]).any(0)[:, None]
+    zero = torch.zeros((), dtype=acc.dtype, device=acc.device)
+    out = torch.where(has[..., None], acc / l[..., None], zero)
+    lse = torch.where(has, m_ + torch.log(l), zero)
+    return out, lse, has
+
+
 def merge_attention_states(outs, lses, *, sinks=None, valid=None):
     """Merge partial attention states computed on disjoint key subsets (60-serving §7.2).
 

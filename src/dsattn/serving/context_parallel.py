@@ -15,7 +15,7 @@ import torch
 
 from ..common.checks import fail
 from ..common.masks import cmp_threshold_t, ori_range_t, sparse_walk_t
-from ..common.softmax import merge_attention_states, round_q
+from ..common.softmax import attend_branches, merge_attention_states
 
 
 def shard_partial(q, ori_shard, ori_start: int, total_len: int, *, cmp_shard=None, cmp_start: int = 0,
@@ -58,24 +58,12 @@ def shard_partial(q, ori_shard, ori_start: int, total_len: int, *, cmp_shard=Non
             scores.append(torch.einsum("nhd,nwd->nhw", qf, K))
             values.append(("per_row", K))
     keep = [k for k, m in enumerate(masks) if m.size(1) > 0]             # a shard may hold no key of a branch
-    s = [softmax_scale * scores[k].masked_fill(~masks[k][:, None, :], float("-inf")) for k in keep]
-    values = [values[k] for k in keep]
-    if not s:
+    if not keep:
         z = torch.zeros(S1, H, dtype=cdt, device=dev)
         return torch.zeros(S1, H, D, dtype=cdt, device=dev), z, z.bool()
-    m_ = torch.stack([x.amax(-1) for x in s]).amax(0)
-    valid = torch.isfinite(m_)
-    m_ = torch.where(valid, m_, torch.zeros_like(m_))
-    l = torch.zeros_like(m_)
-    acc = torch.zeros(S1, H, D, dtype=cdt, device=dev)
-    for x, (kind, K) in zip(s, values):
-        e = torch.exp(x - m_[..., None])
-        l += e.sum(-1)
-        pe = round_q(e, q.dtype)
-        acc += torch.einsum("nhu,ud->nhd", pe, K) if kind == "shared" else torch.einsum("nhw,nwd->nhd", pe, K)
-    out = torch.where(valid[..., None], acc / l.clamp(min=1e-30)[..., None], torch.zeros((), device=dev))
-    lse = torch.where(valid, m_ + torch.log(l.clamp(min=1e-30)), torch.zeros((), device=dev))
-    return out, lse, valid
+    out, lse, has = attend_branches([scores[k] for k in keep], [masks[k] for k in keep], [values[k] for k in keep],
+                                    softmax_scale, None, q.dtype)
+    return out, lse, has.expand(S1, H)
 
 
 def context_parallel_attention(q, ori_shard, ori_start: int, total_len: int, *, sinks=None, group=None,

@@ -13,11 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..common.masks import cmp_threshold_t, ori_range_t, sparse_walk_t
-from ..common.softmax import round_q
+from ..common.softmax import attend_branches
 from .problem import MlaProblem
-
-NEG_INF = float("-inf")
-
 
 def _gather_range(src, b, lo: int, hi: int, dtype, check: bool):
     xs = torch.arange(lo, hi, device=src.tensor.device)
@@ -73,23 +70,7 @@ def block_forward(P: MlaProblem, t0: int, t1: int, b: int, cdt: torch.dtype):
             values.append(("per_row", K))
     if not scores:
         return out, lse
-    s = [P.scale * x.masked_fill(~m[:, None, :], NEG_INF) for x, m in zip(scores, masks)]
-    m_ = torch.stack([x.amax(-1) for x in s]).amax(0)
-    if P.sinks is not None:
-        m_ = torch.maximum(m_, P.sinks.to(cdt))
-    m_ = torch.where(torch.isfinite(m_), m_, torch.zeros_like(m_))
-    l = torch.zeros_like(m_)
-    acc = torch.zeros(n, H, D, dtype=cdt, device=dev)
-    for x, (kind, K) in zip(s, values):
-        e = torch.exp(x - m_[..., None])
-        l += e.sum(-1)
-        pe = round_q(e, P.q.dtype)
-        acc += torch.einsum("nhu,ud->nhd", pe, K) if kind == "shared" else torch.einsum("nhw,nwd->nhd", pe, K)
-    if P.sinks is not None:
-        l = l + torch.exp(P.sinks.to(cdt) - m_)
-    has = torch.stack([m.any(-1) for m in masks]).any(0)[:, None]
-    out = torch.where(has[..., None], acc / l[..., None], out)
-    lse = torch.where(has, m_ + torch.log(l), lse)
+    out, lse, _ = attend_branches(scores, masks, values, P.scale, P.sinks, P.q.dtype)
     return out, lse
 
 
