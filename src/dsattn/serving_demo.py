@@ -17,6 +17,8 @@ from .model import PRESETS, DeepseekV4Attention
 from .model.layer import PagedBatch
 from .model.reference import reference_layer
 from .planner import report
+from .planner.params import plan_params
+from .planner.table import decode
 from .quant.rows import row_width
 
 RATIOS = (0, 4, 128)
@@ -89,8 +91,11 @@ def run(requests: int = 32, decode_steps: int = 24, preset: str = "small", dtype
                 hidden_out[b].append(h[o:o + n])
                 done[b] += n
                 o += n
-            pp, plan = report.build(list(zip(news, [done[b] for b in reqs])), "csa", cfg.heads, cores=24)
-            balance.append(report.balance(report.core_loads(pp, plan), 24))
+            # the balance of the CSA plan this step actually used (read back from its table)
+            pp = plan_params(cfg.heads, 1, cfg.head_dim, cu_seqlens_q=step.cu_seqlens_q_cpu,
+                             seqused_kv=step.seqused_kv_cpu, layout_q="TND", cmp_ratio=4,
+                             cmp_topk=cfg.index_topk, ori_win_left=cfg.window - 1)
+            balance.append(report.balance(report.core_loads(pp, decode(step.plans[4])), pp.aic))
             bar.advance(task)
     worst = 0.0
     if check:

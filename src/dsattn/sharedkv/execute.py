@@ -32,19 +32,19 @@ def plan_params_for(P: MlaProblem):
     K = 0 if P.cmp_idx is None else P.cmp_idx.size(1)
     if P.cmp is not None and P.cmp_idx is not None and K not in (512, 1024):
         fail("metadata", f"a plan describes cmp_topk 512 or 1024, but cmp_sparse_indices has K={K}")
+    as_mirror = lambda t: torch.tensor(host_ints(t), dtype=torch.int32)  # noqa: E731  (the plan is host work)
     try:
         return plan_params(P.q.size(-2), 1, P.q.size(-1), layout_q="TND", layout_kv="PA_ND",
-                           cu_seqlens_q=None, seqused_q=None, batch_size=P.rows.B,
+                           seqused_q=as_mirror(P.rows.extent), seqused_kv=as_mirror(P.ori.lengths),
                            has_cmp_kv=P.cmp is not None, cmp_ratio=P.r if P.cmp is not None else -1, cmp_topk=K,
-                           ori_mask_mode=P.om, cmp_mask_mode=P.cm, ori_win_left=P.wl, ori_win_right=P.wr), \
-            host_ints(P.rows.extent), host_ints(P.ori.lengths)
+                           ori_mask_mode=P.om, cmp_mask_mode=P.cm, ori_win_left=P.wl, ori_win_right=P.wr)
     except ValueError as e:
         fail("metadata", f"this call cannot be described by a plan: {e}")
 
 
 def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
-    pp, S1, S2 = plan_params_for(P)
-    pp.S1, pp.S2 = S1, S2
+    pp = plan_params_for(P)
+    S1 = pp.S1
     rw = Rows(pp)
     plan = decode(metadata)
     B, G, mb = pp.B, pp.G, pp.m_base
