@@ -67,6 +67,8 @@ SCHEMAS["sparse_attn_sharedkv"] = [
     ("softmax_scale", K, 0.0), ("cmp_ratio", K, 0), ("ori_mask_mode", K, 4), ("cmp_mask_mode", K, 3),
     ("ori_win_left", K, 127), ("ori_win_right", K, 0), ("layout_q", K, "BSND"), ("layout_kv", K, "PA_ND"),
     ("return_softmax_lse", K, False)]
+SCHEMAS["sparse_attn_sharedkv_packed"] = SCHEMAS["sparse_attn_sharedkv"] + [("kv_rope_dim", K, 64),
+                                                                             ("kv_tile_size", K, 64)]
 SCHEMAS["sparse_attn_sharedkv_metadata"] = [
     ("num_heads_q", P, E), ("num_heads_kv", P, E), ("head_dim", P, E), ("cu_seqlens_q", K, None),
     ("cu_seqlens_ori_kv", K, None), ("cu_seqlens_cmp_kv", K, None), ("seqused_q", K, None),
@@ -75,7 +77,8 @@ SCHEMAS["sparse_attn_sharedkv_metadata"] = [
     ("ori_win_left", K, 127), ("ori_win_right", K, 0), ("layout_q", K, "BSND"), ("layout_kv", K, "PA_ND"),
     ("has_ori_kv", K, True), ("has_cmp_kv", K, True), ("device", K, None), ("aic_core_num", K, 24),
     ("aiv_core_num", K, 48), ("support_fd", K, False)]
-UNPINNED_REFERENCE = {"sparse_attn_sharedkv", "sparse_attn_sharedkv_metadata"}   # goldens: sparse_flash_mla, ref planner
+# goldens: sparse_flash_mla on the mapped arguments (**kwargs), the reference planner
+UNPINNED_REFERENCE = {"sparse_attn_sharedkv", "sparse_attn_sharedkv_packed", "sparse_attn_sharedkv_metadata"}
 
 FACADE = {
     "npu_lightning_indexer": [

@@ -7,4 +7,4 @@ read shows up as a NaN in the output.
 """
 from .attention import NAN, SCENARIOS, Case, indexer_case, kl_case, mla_case, sharedkv_case  # noqa: F401
 from .compressor import CompressorCase, compressor_case  # noqa: F401
-from .kv_quant import qsfa_case  # noqa: F401
+from .kv_quant import packed_sharedkv_case, qsfa_case  # noqa: F401

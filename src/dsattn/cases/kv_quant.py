@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..quant.block import quantize_tiles
-from ..quant.rows import pack_kv_rows
-from .attention import Case, _pack_int_rows, _pack_rows, _page, _randn
+from ..quant.rows import pack_kv_rows, quantize_kv_rows
+from .attention import Case, _pack_int_rows, _pack_rows, _page, _randn, sharedkv_case
 
 NAN_BYTE = 0xFF
 
@@ -79,3 +79,19 @@ def qsfa_case(layout_q: str = "TND", layout_kv: str = "PA_BSND", dtype=torch.bfl
             f"{'int8' if payload == torch.int8 else 'fp8'}-sb{bs}-mode{sparse_mode}{'-sinks' if sinks else ''}"
             f"{'-lse' if lse else ''}")
     return Case(name, q, kw, {"key": key, "sparse_indices": idx})
+
+
+def packed_sharedkv_case(layout: str = "TND", ratio: int = 4, dtype=torch.bfloat16, *, paged: bool = True,
+                         payload=torch.int8, rope: int = 16, tile: int = 16, seed: int = 0, **kw) -> Case:
+    """A :func:`sharedkv_case` whose caches are packed rows (:func:`quantize_kv_rows`) for
+    ``sparse_attn_sharedkv_packed``; rows that were NaN (unreachable) become 0xFF bytes.
+    ``extra["unpacked"]`` keeps the unquantised sharedkv arguments."""
+    c = sharedkv_case(layout, ratio, dtype, paged=paged, seed=seed, **kw)
+    args = dict(c.kwargs, kv_rope_dim=rope, kv_tile_size=tile)
+    for name in ("ori_kv", "cmp_kv"):
+        if name in args:
+            kv = args[name]
+            packed = quantize_kv_rows(torch.nan_to_num(kv, nan=0.0), rope, payload, tile)
+            unreachable = kv.isnan().any(-1, keepdim=True).expand_as(packed)
+            args[name] = packed.view(torch.uint8).masked_fill(unreachable, NAN_BYTE).view(payload)
+    return Case(f"{c.name}+{str(payload).split('.')[-1]}", c.q, args, dict(c.extra, unpacked=c.kwargs))

@@ -15,6 +15,7 @@ use them without reading them back to the host.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,10 +142,13 @@ class KVSource:
     cu: torch.Tensor | None = None  # TND segment starts (int64)
     block_table: torch.Tensor | None = None
     table_name: str = "block_table"
+    # Packed (quantised) rows: ``decode`` turns gathered rows into keys of width ``decoded_dim``.
+    decode: Callable[[torch.Tensor], torch.Tensor] | None = None
+    decoded_dim: int | None = None
 
     @property
     def D(self) -> int:
-        return self.tensor.size(-1)
+        return self.tensor.size(-1) if self.decoded_dim is None else self.decoded_dim
 
     def locate(self, b: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, check: bool = False):
         """Physical (i0, i1) of logical key ``x`` of batch ``b``; entries where ``mask`` is False
@@ -174,10 +178,9 @@ class KVSource:
         return blk, torch.where(mask, x % bs, torch.zeros_like(x))
 
     def gather(self, i0: torch.Tensor, i1: torch.Tensor) -> torch.Tensor:
-        """Rows at physical addresses -> ``[..., D]`` in the KV dtype."""
-        if self.layout == "TND":
-            return self.tensor[i1, 0]
-        return self.tensor[i0, i1, 0]
+        """Rows at physical addresses -> ``[..., D]`` in the KV dtype (decoded, for packed rows)."""
+        rows = self.tensor[i1, 0] if self.layout == "TND" else self.tensor[i0, i1, 0]
+        return rows if self.decode is None else self.decode(rows)
 
     def scatter_add(self, grad: torch.Tensor, i0, i1, values: torch.Tensor) -> None:
         """``grad`` (shaped like the KV tensor, fp32) += values at (i0, i1), as one ``index_add_``
@@ -188,6 +191,10 @@ class KVSource:
 
     def row(self, b: int, x: int) -> torch.Tensor:
         """One key row (reference path): scalar addressing with the same checks."""
+        row = self._row(b, x)
+        return row if self.decode is None else self.decode(row)
+
+    def _row(self, b: int, x: int) -> torch.Tensor:
         if self.layout == "BSND":
             return self.tensor[b, x, 0]
         if self.layout == "TND":

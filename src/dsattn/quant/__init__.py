@@ -2,6 +2,7 @@
 fused cache writer.  Plain helpers live here; the operators are ``torch.ops.dsattn.*``."""
 from . import op  # noqa: F401  (registers the operators)
 from .block import dequant_block
-from .rows import dequant_kv_rows, pack_kv_rows, row_width, unpack_kv_rows
+from .rows import PackedKV, dequant_kv_rows, pack_kv_rows, quantize_kv_rows, row_width, unpack_kv_rows
 
-__all__ = ["dequant_block", "dequant_kv_rows", "pack_kv_rows", "row_width", "unpack_kv_rows"]
+__all__ = ["PackedKV", "dequant_block", "dequant_kv_rows", "pack_kv_rows", "quantize_kv_rows", "row_width",
+           "unpack_kv_rows"]

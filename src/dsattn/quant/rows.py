@@ -6,10 +6,12 @@ patterns in native (little-endian) byte order.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..common.checks import fail
-from .block import PAYLOAD_DTYPES, dequant_block
+from .block import PAYLOAD_DTYPES, dequant_block, quantize_tiles
 
 KV_LORA_RANK = 512
 TILE_SIZE = 128
@@ -72,3 +74,61 @@ def dequant_kv_rows(packed: torch.Tensor, rope_head_dim: int, out_dtype: torch.d
     v = dequant_block(nope, scales, tile_size, out_dtype)
     k = torch.cat([v, rope.to(out_dtype)], dim=-1) if rope is not None else v
     return k, v
+
+
+def rope_bytes_dtype(dtype: torch.dtype) -> torch.dtype:
+    """16-bit type of the rope field for activations of ``dtype``: float16 for float16, bfloat16
+    otherwise (a float32 / float64 model stores its rope part rounded to bfloat16)."""
+    return torch.float16 if dtype == torch.float16 else torch.bfloat16
+
+
+def quantize_kv_rows(k: torch.Tensor, rope_head_dim: int, dtype: torch.dtype = torch.int8,
+                     tile_size: int = TILE_SIZE) -> torch.Tensor:
+    """Packed rows ``[..., W]`` of full key rows ``k [..., N + R]``: the first ``N`` columns are
+    block-quantised per ``tile_size`` tile (40 §1), the last ``R = rope_head_dim`` are kept as
+    16-bit (:func:`rope_bytes_dtype`).  Inverse: :func:`dequant_kv_rows` (its ``k``)."""
+    if dtype not in PAYLOAD_DTYPES:
+        fail("dtype", f"value {dtype} is not supported; expected torch.int8 or torch.float8_e4m3fn", TypeError)
+    N = k.size(-1) - rope_head_dim
+    if rope_head_dim < 0 or N < 1 or N % tile_size:
+        fail("rope_head_dim", f"value {rope_head_dim} leaves {N} quantised columns of a {k.size(-1)}-wide row; "
+             f"expected a positive multiple of tile_size={tile_size}")
+    y, scale = quantize_tiles(k[..., :N], dtype, tile_size)
+    rope = k[..., N:].to(rope_bytes_dtype(k.dtype)) if rope_head_dim else None
+    return pack_kv_rows(y, scale, rope)
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """How an attention op reads a packed KV cache whose rows hold full ``D``-wide keys (V4: the
+    value is the whole key row, rope part included): ``D - rope_head_dim`` quantised columns in
+    tiles of ``tile_size``, then the rope part as 16-bit, then the fp32 scales.  Rows are
+    dequantised in fp32 and rounded once to the query dtype (as ``kv_quant_sparse_flash_attention``)."""
+
+    rope_head_dim: int
+    tile_size: int
+
+    def width(self, D: int) -> int:
+        N = D - self.rope_head_dim
+        if self.rope_head_dim < 0 or N < 1 or self.tile_size < 1 or N % self.tile_size:
+            fail("kv_tile_size", f"head dim {D} minus kv_rope_dim={self.rope_head_dim} must be a positive "
+                 f"multiple of kv_tile_size={self.tile_size}")
+        return row_width(N, self.rope_head_dim, self.tile_size)
+
+    def check(self, name: str, kv: torch.Tensor | None, D: int) -> None:
+        if kv is None:
+            return
+        if kv.dtype not in PAYLOAD_DTYPES:
+            fail(name, f"dtype {kv.dtype} is not supported for a packed cache; expected int8 or float8_e4m3fn",
+                 TypeError)
+        if kv.size(-1) != self.width(D):
+            fail(name, f"row width {kv.size(-1)} bytes does not match head dim {D} packed with "
+                 f"kv_rope_dim={self.rope_head_dim}, kv_tile_size={self.tile_size} (expected {self.width(D)})")
+
+    def decoder(self, out_dtype: torch.dtype):
+        """``rows [..., W] -> keys [..., D]`` in ``out_dtype``."""
+        rope_dtype = rope_bytes_dtype(out_dtype)
+
+        def decode(rows: torch.Tensor) -> torch.Tensor:
+            return dequant_kv_rows(rows, self.rope_head_dim, out_dtype, rope_dtype, self.tile_size)[0]
+        return decode

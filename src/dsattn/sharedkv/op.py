@@ -1,4 +1,5 @@
-"""Registration of ``dsattn::sparse_attn_sharedkv`` (20 §4) and
+"""Registration of ``dsattn::sparse_attn_sharedkv`` (20 §4), its packed-cache variant
+``dsattn::sparse_attn_sharedkv_packed`` (a library extension) and
 ``dsattn::sparse_attn_sharedkv_metadata`` (50 §1.1).
 
 With ``metadata`` the attention executes the plan core by core (:mod:`.execute`); the plan is
@@ -15,6 +16,7 @@ from ..common.checks import content_checks_enabled
 from ..planner import fast as fast_planner
 from ..planner.params import TABLE_SIZE, plan_params
 from ..planner.table import encode
+from ..quant.rows import PackedKV
 from ..sparse_mla import fast
 from .execute import execute
 from .problem import parse_sharedkv
@@ -28,6 +30,11 @@ SHAREDKV_SCHEMA = (
     "float softmax_scale=0.0, int cmp_ratio=0, int ori_mask_mode=4, int cmp_mask_mode=3, "
     'int ori_win_left=127, int ori_win_right=0, str layout_q="BSND", str layout_kv="PA_ND", '
     "bool return_softmax_lse=False) -> (Tensor, Tensor)")
+
+# Library extension (not a CANN operator): the same call over packed int8 / float8_e4m3fn caches.
+# The CANN DSV4 quantised shared-KV kernel (640-byte rows) is a different packing (00 §2).
+PACKED_SCHEMA = SHAREDKV_SCHEMA.replace("sparse_attn_sharedkv(", "sparse_attn_sharedkv_packed(").replace(
+    "bool return_softmax_lse=False)", "bool return_softmax_lse=False, int kv_rope_dim=64, int kv_tile_size=64)")
 
 METADATA_SCHEMA = (
     "sparse_attn_sharedkv_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, "
@@ -43,8 +50,8 @@ def _walkable(metadata, q) -> bool:
     return metadata is not None and content_checks_enabled(metadata, q)
 
 
-def _kernel(q, **kw):
-    P = parse_sharedkv(q, **kw)
+def _kernel(q, packed=None, **kw):
+    P = parse_sharedkv(q, packed=packed, **kw)
     metadata = kw.get("metadata")
     empty = q.new_zeros((0,), dtype=torch.float32)
     if _walkable(metadata, q):
@@ -53,9 +60,19 @@ def _kernel(q, **kw):
     return out, empty
 
 
-def _fake(q, **kw):
-    parse_sharedkv(q, content=False, **kw)
+def _fake(q, packed=None, **kw):
+    parse_sharedkv(q, content=False, packed=packed, **kw)
     return torch.empty_like(q), q.new_empty((0,), dtype=torch.float32)
+
+
+def _packed_kernel(q, *, kv_rope_dim=64, kv_tile_size=64, **kw):
+    """Packed rows ``[quantised D - kv_rope_dim | rope 16-bit | fp32 scales]``
+    (:func:`dsattn.quant.quantize_kv_rows`); only the rows a query reads are dequantised."""
+    return _kernel(q, packed=PackedKV(kv_rope_dim, kv_tile_size), **kw)
+
+
+def _packed_fake(q, *, kv_rope_dim=64, kv_tile_size=64, **kw):
+    return _fake(q, packed=PackedKV(kv_rope_dim, kv_tile_size), **kw)
 
 
 def build_table(num_heads_q, num_heads_kv, head_dim, *, allow_device=True, **kw) -> torch.Tensor:
@@ -75,4 +92,5 @@ def _metadata_fake(num_heads_q, num_heads_kv, head_dim, **kw):
 
 
 register(SHAREDKV_SCHEMA, _kernel, _fake)
+register(PACKED_SCHEMA, _packed_kernel, _packed_fake)
 register(METADATA_SCHEMA, _metadata_kernel, _metadata_fake)

@@ -28,12 +28,18 @@ def check_metadata(metadata: torch.Tensor | None) -> None:
              f"got {tuple(metadata.shape)}")
 
 
-def parse_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
-                   ori_block_table=None, cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
-                   cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, sinks=None, metadata=None,
-                   softmax_scale=0.0, cmp_ratio=0, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=127,
-                   ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", return_softmax_lse=False,
-                   content=None) -> MlaProblem:
+def parse_sharedkv(q, *, content=None, packed=None, **kwargs) -> MlaProblem:
+    """Validate a ``sparse_attn_sharedkv`` call (``packed``: the ``_packed`` variant's row format)."""
+    return parse_mla(q, content=content, packed=packed, **mla_arguments(q, **kwargs))
+
+
+def mla_arguments(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
+                  ori_block_table=None, cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                  cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, sinks=None, metadata=None,
+                  softmax_scale=0.0, cmp_ratio=0, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=127,
+                  ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", return_softmax_lse=False) -> dict:
+    """The ``sparse_flash_mla`` arguments of a ``sparse_attn_sharedkv`` call (20 §4.2: the same
+    math), after the checks that only the sharedkv signature needs."""
     if return_softmax_lse:
         fail("return_softmax_lse", "sparse_attn_sharedkv returns no LSE; use sparse_flash_mla for it",
              NotImplementedError)
@@ -76,7 +82,7 @@ def parse_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_
     kw = dict(ori_kv=ori_kv, cmp_kv=cmp_kv, cmp_sparse_indices=cmp_sparse_indices, cu_seqlens_q=cu_seqlens_q,
               seqused_ori_kv=s2o, sinks=sinks, cmp_ratio=r, ori_mask_mode=ori_mask_mode,
               cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left, ori_win_right=ori_win_right,
-              layout_q=layout_q, layout_kv=KV_LAYOUTS[layout_kv], content=content,
+              layout_q=layout_q, layout_kv=KV_LAYOUTS[layout_kv],
               softmax_scale=softmax_scale if softmax_scale != 0.0 else 1.0 / math.sqrt(q.size(-1)))
     if layout_kv == "TND":
         kw["cu_seqlens_ori_kv"] = cu_seqlens_ori_kv
@@ -91,4 +97,4 @@ def parse_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_
         kw["seqused_cmp_kv"] = torch.div(s2o, r, rounding_mode="floor").to(torch.int32)   # S2c = floor(S2o / r)
     if cmp_kv is None and cmp_sparse_indices is not None:
         fail("cmp_sparse_indices", "is given but cmp_kv is None")
-    return parse_mla(q, **kw)
+    return kw

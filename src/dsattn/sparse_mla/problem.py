@@ -151,8 +151,11 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
               cmp_residual_kv=None, ori_topk_length=None, cmp_topk_length=None, sinks=None,
               metadata=None, softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=4, cmp_mask_mode=3,
               ori_win_left=127, ori_win_right=0, layout_q="BSND", layout_kv="BSND", topk_value_mode=1,
-              content=None) -> MlaProblem:
-    """Validate a sparse_flash_mla(_grad) call; ``content=None`` decides by the tensors."""
+              content=None, packed=None) -> MlaProblem:
+    """Validate a sparse_flash_mla(_grad) call; ``content=None`` decides by the tensors.
+
+    ``packed`` (a :class:`dsattn.quant.PackedKV`) says that ``ori_kv`` / ``cmp_kv`` hold packed
+    quantised rows, dequantised to the query dtype as they are gathered."""
     # -- attributes
     check_choice("layout_q", layout_q, Q_LAYOUTS)
     check_choice("layout_kv", layout_kv, KV_LAYOUTS)
@@ -176,8 +179,9 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
     check_float("q", q, allow_f64=True)
     if ori_kv is None:
         fail("ori_kv", "is required (every scenario has the ori branch)")
-    check_dtype("ori_kv", ori_kv, q.dtype, "must match q")
-    check_dtype("cmp_kv", cmp_kv, q.dtype, "must match q")
+    if packed is None:
+        check_dtype("ori_kv", ori_kv, q.dtype, "must match q")
+        check_dtype("cmp_kv", cmp_kv, q.dtype, "must match q")
     check_dtype("sinks", sinks, stat_dtype(q))
     for name, t in (("ori_sparse_indices", ori_sparse_indices), ("cmp_sparse_indices", cmp_sparse_indices),
                     ("ori_block_table", ori_block_table), ("cmp_block_table", cmp_block_table),
@@ -205,7 +209,9 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
     if N1 < 1 or D < 1:
         fail("q", f"head count and head dim must be >= 1, got shape {tuple(q.shape)}")
     for name, kv in (("ori_kv", ori_kv), ("cmp_kv", cmp_kv)):
-        if kv is not None and kv.size(-1) != D:
+        if packed is not None:
+            packed.check(name, kv, D)
+        elif kv is not None and kv.size(-1) != D:
             fail(name, f"head dim {kv.size(-1)} does not match q's head dim {D}")
     if sinks is not None and tuple(sinks.shape) != (N1,):
         fail("sinks", f"expected shape [N1]=[{N1}], got {tuple(sinks.shape)}")
@@ -235,6 +241,10 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
                     if not (0 <= v < r):
                         fail("cmp_residual_kv", f"value {v} at batch {b} is not in [0, cmp_ratio={r})")
             Lc = cmp.lengths * r + cmp_residual_kv.to(torch.int64)
+    if packed is not None:
+        for src in (ori, cmp):
+            if src is not None:
+                src.decode, src.decoded_dim = packed.decoder(q.dtype), D
     return MlaProblem(q, rows, ori, cmp,
                       None if cmp_sparse_indices is None else rows.flat(cmp_sparse_indices)[:, 0],
                       None if ori_sparse_indices is None else rows.flat(ori_sparse_indices)[:, 0],
