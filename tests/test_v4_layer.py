@@ -2,16 +2,19 @@
 float64 reference, for every layer type and every forward mode: one-shot prefill, chunked
 prefill in several chunk sizes, token-by-token decode, draft-extend with 2 and 4 tokens; the
 paths agree with each other and leave the same caches."""
+import dataclasses
+
 import pytest
 import torch
 
-from dsattn import testing
+from dsattn import quant, testing
 from dsattn.model import PRESETS, DeepseekV4Attention
 from dsattn.model.layer import PagedBatch
 from dsattn.model.reference import reference_layer
 
 CFG = PRESETS["small"]
 LENS = [70, 37, 45]
+PAYLOADS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 def fresh(layer, pages, poison=True):
@@ -20,7 +23,11 @@ def fresh(layer, pages, poison=True):
     caches = layer.new_caches(pages)
     if poison:
         for t in vars(caches).values():
-            if t is not None:
+            if t is None:
+                continue
+            if t.dtype in PAYLOADS.values():
+                t.view(torch.uint8).fill_(0xFF)            # packed rows: NaN scales and rope
+            else:
                 t.fill_(float("nan"))
     return pb, caches
 
@@ -111,6 +118,72 @@ def test_every_mode_matches_dense_reference_and_each_other(ratio):
                 assert torch.allclose(a, e, rtol=1e-4, atol=1e-5), f"{name} {field} request {b}"
 
 
+def _packed_positions(layer, caches, pb, b, n, field, pages_of):
+    """Dequantised rows ``[n, d]`` of request b's first ``n`` positions of a packed cache, the
+    raw bytes, and the tile scales."""
+    pages = torch.tensor(getattr(pb, pages_of)[b])
+    pos = torch.arange(n)
+    packed = getattr(caches, field)[pages[pos // CFG.page_size], pos % CFG.page_size, 0]
+    k, _ = quant.dequant_kv_rows(packed, CFG.rope_dim, torch.float32, torch.bfloat16, CFG.kv_quant_tile)
+    _, _, scales = quant.unpack_kv_rows(packed, CFG.rope_dim, torch.bfloat16, CFG.kv_quant_tile)
+    return k, packed, scales
+
+
+@pytest.mark.parametrize("payload", list(PAYLOADS))
+@pytest.mark.parametrize("ratio", [0, 4, 128], ids=["SWA", "CSA", "HCA"])
+def test_packed_kv_cache_every_mode(ratio, payload):
+    """``kv_cache_dtype`` int8 / fp8: every forward mode over packed window and compressed caches
+    (0xFF bytes wherever nothing wrote).  The output stays within the quantiser's error of the
+    dense float64 reference, and every cached row is the quantisation of the row the unquantised
+    layer caches: the nope part within half a step (int8) or 2^-4 relative (e4m3) of it, the
+    rope part its bf16 rounding; rows nothing wrote stay 0xFF."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    X = [torch.randn(L, CFG.hidden, generator=g) for L in LENS]
+    dt = PAYLOADS[payload]
+    layer = DeepseekV4Attention(CFG, ratio, seed=3, kv_cache_dtype=dt)
+    plain = DeepseekV4Attention(CFG, ratio, seed=3)
+    assert layer.kv_row_bytes == 48 + 2 * 16 + 4 * 3 and plain.kv_row_bytes == 4 * 64
+    base_out, base_tops, plain_caches, plain_pb = run(plain, X, SCHEDULES["one-shot"])
+    bound = 0.02 if dt == torch.int8 else 0.08
+    N = CFG.head_dim - CFG.rope_dim
+    for name in ("one-shot", "chunks-23", "decode", "draft-extend-4"):
+        outs, tops, caches, pb = run(layer, X, SCHEDULES[name])
+        for b, x in enumerate(X):
+            ref = reference_layer(layer, x, base_tops[b][0] if ratio == 4 else None)
+            assert not outs[b].isnan().any()
+            err = ((outs[b].double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < bound, f"{name} request {b}: {err}"
+            for field, pages_of, n in (("window", "raw_pages", LENS[b]), ("cmp", "cmp_pages", LENS[b] // max(ratio, 1))):
+                if not ratio and field == "cmp":
+                    continue
+                k, packed, scales = _packed_positions(layer, caches, pb, b, n, field, pages_of)
+                pages = torch.tensor(getattr(plain_pb, pages_of)[b])
+                pos = torch.arange(n)
+                exact = getattr(plain_caches, field)[pages[pos // CFG.page_size], pos % CFG.page_size, 0]
+                assert not (packed.view(torch.uint8) == 0xFF).all(-1).any(), f"{name} {field}: a row was not written"
+                # rope: bf16 rounding (half an ulp, 2^-9 relative; one ulp where fp32 noise crosses a tie)
+                rope_err = (k[:, N:] - exact[:, N:]).abs()
+                assert (rope_err <= 2.0 ** -8 * exact[:, N:].abs() + 1e-6).all(), f"{name} {field} rope"
+                if name == "one-shot":
+                    assert torch.equal(k[:, N:], exact[:, N:].to(torch.bfloat16).float()), f"{name} {field} rope"
+                step = scales.repeat_interleave(CFG.kv_quant_tile, -1)
+                d = (k[:, :N] - exact[:, :N]).abs()
+                # 1e-4: the unquantised path's own fp32 rounding between different GEMM shapes
+                tol = 0.5 * step if dt == torch.int8 else 2.0 ** -4 * exact[:, :N].abs() + 2.0 ** -9 * step
+                assert (d <= tol * 1.001 + 1e-4 * step.clamp(min=1) + 1e-5).all(), f"{name} {field} nope"
+        pages_used = {p for v in (pb.raw_pages, pb.cmp_pages) for lst in v.values() for p in lst}
+        spare = [p for p in range(1, 96) if p not in pages_used]
+        assert (caches.window[spare].view(torch.uint8) == 0xFF).all()
+
+
+def test_packed_kv_cache_rejects_bad_settings():
+    with pytest.raises(TypeError, match="kv_cache_dtype"):
+        DeepseekV4Attention(CFG, 4, kv_cache_dtype=torch.float16)
+    bad = dataclasses.replace(CFG, kv_quant_tile=20)
+    with pytest.raises(ValueError, match="tile_size"):
+        DeepseekV4Attention(bad, 4, kv_cache_dtype=torch.int8)
+
+
 def test_serving_demo_runs_and_matches_reference():
     from rich.console import Console
 
@@ -123,6 +196,20 @@ def test_serving_demo_runs_and_matches_reference():
         assert needle in text
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_serving_demo_with_packed_kv_cache(kv):
+    from rich.console import Console
+
+    from dsattn import serving_demo
+    console = Console(record=True, width=200)
+    assert serving_demo.run(requests=4, decode_steps=2, kv_cache=kv, console=console)
+    text = console.export_text()
+    assert "time share: sparse_attn_sharedkv_packed" in text and "this run: 92 B" in text
+    assert "bf16 433 B, int8 packed 316 B" in text
+    with pytest.raises(ValueError, match="kv_cache"):
+        serving_demo.run(requests=1, decode_steps=1, kv_cache="int4", console=console)
+
+
 def test_ops_demo_still_runs():
     from rich.console import Console
 
@@ -130,9 +217,9 @@ def test_ops_demo_still_runs():
     assert demo.run(tokens=64, console=Console(record=True, width=160))
 
 
-def _decode_setup(ratio, gen, poison=True):
+def _decode_setup(ratio, gen, poison=True, kv_cache_dtype=None):
     """Three requests prefilled, then one decode step padded to a bucket of 5 (graph replay)."""
-    layer = DeepseekV4Attention(CFG, ratio, seed=5)
+    layer = DeepseekV4Attention(CFG, ratio, seed=5, kv_cache_dtype=kv_cache_dtype)
     pb, caches = fresh(layer, 64, poison)
     lens = [40, 17, 33]
     X = [torch.randn(L + 1, CFG.hidden, generator=gen) for L in lens]
@@ -145,10 +232,41 @@ def _snapshot(caches):
     return {k: v.clone() for k, v in vars(caches).items() if v is not None}
 
 
+def _unwritten_and_values(t):
+    """Per cache row: never written (NaN / all 0xFF bytes), and its values as fp32 (packed rows
+    dequantised; unwritten rows 0)."""
+    if t.dtype in PAYLOADS.values():
+        unwritten = (t.view(torch.uint8) == 0xFF).all(-1)
+        k, _ = quant.dequant_kv_rows(t, CFG.rope_dim, torch.float32, torch.bfloat16, CFG.kv_quant_tile)
+        return unwritten, torch.where(unwritten[..., None], 0.0, k)
+    return t.isnan(), t.float().nan_to_num(0.0)
+
+
+def assert_caches_match(got, want, rtol, atol):
+    """The same rows written; written rows equal to rounding (packed: within one quantisation step)."""
+    for k, v in _snapshot(got).items():
+        (un_v, val_v), (un_e, val_e) = _unwritten_and_values(v), _unwritten_and_values(getattr(want, k))
+        assert torch.equal(un_v, un_e), k
+        if v.dtype in PAYLOADS.values():
+            _, _, scales = quant.unpack_kv_rows(v, CFG.rope_dim, torch.bfloat16, CFG.kv_quant_tile)
+            step = torch.cat([scales.repeat_interleave(CFG.kv_quant_tile, -1),
+                              2.0 ** -8 * val_e[..., scales.size(-1) * CFG.kv_quant_tile:].abs()], -1)
+            step = torch.where(un_v[..., None], 0.0, step)
+            if v.dtype == torch.float8_e4m3fn:
+                step = step + 2.0 ** -3 * val_e.abs()
+            assert ((val_v - val_e).abs() <= step * 1.001 + atol).all(), k
+        else:
+            assert torch.allclose(val_v, val_e, rtol=rtol, atol=atol), k
+
+
+KV_DTYPES = {"model-dtype": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
 @pytest.mark.parametrize("ratio", [0, 4, 128], ids=["SWA", "CSA", "HCA"])
-def test_padded_decode_step_reads_no_device_data_and_padding_changes_nothing(ratio, gen, monkeypatch):
+def test_padded_decode_step_reads_no_device_data_and_padding_changes_nothing(ratio, kv, gen, monkeypatch):
     import dsattn
-    layer, pb, caches, X = _decode_setup(ratio, gen)
+    layer, pb, caches, X = _decode_setup(ratio, gen, kv_cache_dtype=KV_DTYPES[kv])
     x_dec = torch.cat([x[-1:] for x in X])
     # reference: the unpadded decode step on a copy of the caches
     pb_ref = PagedBatch(CFG, 64, 16)
@@ -172,19 +290,20 @@ def test_padded_decode_step_reads_no_device_data_and_padding_changes_nothing(rat
     finally:
         monkeypatch.undo()
         dsattn.set_content_checks(True)
-    assert torch.allclose(got[:3], want, rtol=1e-5, atol=1e-6)
-    for k, v in _snapshot(caches).items():
-        e = getattr(ref_caches, k)
-        # padding wrote nothing: the same rows are still NaN (unwritten) as after the unpadded step;
-        # written rows agree to rounding (a GEMM over 5 rows need not be bitwise the one over 3)
-        assert torch.equal(v.isnan(), e.isnan()), k
-        assert torch.allclose(v.nan_to_num(0.0), e.nan_to_num(0.0), rtol=1e-5, atol=1e-6), k
+    # padding wrote nothing: the same rows are still unwritten as after the unpadded step; written
+    # rows agree to rounding (a GEMM over 5 rows need not be bitwise the one over 3)
+    assert_caches_match(caches, ref_caches, rtol=1e-5, atol=1e-6)
+    if KV_DTYPES[kv] is None:
+        assert torch.allclose(got[:3], want, rtol=1e-5, atol=1e-6)
+    else:                       # a one-step flip of a quantised row moves the output by about that step
+        assert ((got[:3] - want).abs().max() / want.abs().max()).item() < 5e-3
 
 
+@pytest.mark.parametrize("kv", ["model-dtype", "int8"])
 @pytest.mark.parametrize("ratio", [0, 4, 128], ids=["SWA", "CSA", "HCA"])
-def test_decode_step_compiles_fullgraph(ratio, gen):
+def test_decode_step_compiles_fullgraph(ratio, kv, gen):
     import dsattn
-    layer, pb, caches, X = _decode_setup(ratio, gen, poison=False)
+    layer, pb, caches, X = _decode_setup(ratio, gen, poison=False, kv_cache_dtype=KV_DTYPES[kv])
     step = pb.step([0, 1, 2], [1, 1, 1], CFG.heads, pad_to=4)
     x = torch.cat([torch.cat([x[-1:] for x in X]), torch.zeros(1, CFG.hidden)])
     eager_caches = type(caches)(**_snapshot(caches))
@@ -197,8 +316,7 @@ def test_decode_step_compiles_fullgraph(ratio, gen):
     finally:
         dsattn.set_content_checks(True)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    for k, v in _snapshot(caches).items():
-        assert torch.allclose(v, getattr(eager_caches, k), rtol=1e-6, atol=1e-7), k
+    assert_caches_match(caches, eager_caches, rtol=1e-6, atol=1e-7)
 
 
 def test_demo_cli_smoke():
@@ -208,12 +326,13 @@ def test_demo_cli_smoke():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
-def test_cuda_graph_capture_and_replay_match_eager():
+@pytest.mark.parametrize("kv", ["model-dtype", "int8"])
+def test_cuda_graph_capture_and_replay_match_eager(kv):
     """60 §5 on a GPU: capture a padded decode step, refresh the inputs in place, replay; the result
     must equal an eager call on the same inputs."""
     import dsattn
     torch.manual_seed(0)
-    layer = DeepseekV4Attention(CFG, 4, seed=5)
+    layer = DeepseekV4Attention(CFG, 4, seed=5, kv_cache_dtype=KV_DTYPES[kv])
     layer.w = {k: v.cuda() for k, v in layer.w.items()}
     layer.cos, layer.sin = layer.cos.cuda(), layer.sin.cuda()
     pb = PagedBatch(CFG, 64, 16)

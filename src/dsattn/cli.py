@@ -40,7 +40,8 @@ def _demo(args) -> int:
         from . import demo
         return 0 if demo.run(args.tokens, dtype) else 1
     from . import serving_demo
-    return 0 if serving_demo.run(args.requests, args.decode_steps, args.preset, dtype, args.budget) else 1
+    return 0 if serving_demo.run(args.requests, args.decode_steps, args.preset, dtype, args.budget,
+                                 kv_cache=args.kv_cache) else 1
 
 
 def _parse_lengths(text: str) -> list[tuple[int, int]]:
@@ -105,6 +106,8 @@ def main(argv=None) -> int:
                    help="layer dimensions: 'small' runs in seconds, 'v4-flash' is the real attention")
     d.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="default: fp32 (serving simulation), bf16 (--ops)")
+    d.add_argument("--kv-cache", choices=("model", "int8", "fp8"), default="model",
+                   help="window / compressed KV caches in the model dtype, or as packed int8 / fp8 rows")
     d.add_argument("--ops", action="store_true",
                    help="instead: one V4-Flash CSA step, each operator's fast path against its golden")
     d.add_argument("--tokens", type=int, default=384, help="tokens of the --ops step")

@@ -223,6 +223,14 @@ def qsfa_cases(quick: bool) -> list[cases.Case]:
     return out
 
 
+def packed_sharedkv_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
+    """sparse_attn_sharedkv_packed against its golden (every cache row dequantised first)."""
+    fn = reference.sparse_attn_sharedkv_packed if impl == "reference" else ops.sparse_attn_sharedkv_packed
+    got, _ = fn(case.q, **case.kwargs)
+    want, _ = reference.sparse_attn_sharedkv_packed(case.q, **case.kwargs)
+    return [Row(case.name.replace("-", "-sharedkv_packed-", 1), "attn_out", testing.compare(got, want))]
+
+
 def matrix(impl: str = "ops", quick: bool = False, progress: Callable | None = None) -> list[Row]:
     """Run the whole parity matrix; ``quick`` keeps fp16 and bf16 only and skips paged cases."""
     dtypes = DTYPES[:2] if quick else DTYPES
@@ -253,6 +261,12 @@ def matrix(impl: str = "ops", quick: bool = False, progress: Callable | None = N
                         cases.sharedkv_case(layout, r, dt, paged=paged, seed=seed,
                                             lengths=[(3, 1500), (1, 700), (0, 50), (2, 1030)] if layout == "TND"
                                             else [(3, 1500), (3, 700), (3, 1030)], D=16, window=1200), r, impl))
+        for r in RATIOS:
+            for dt in dtypes:
+                for payload in (torch.int8, torch.float8_e4m3fn):
+                    seed = hash(("packed", r, str(dt), str(payload))) % 10_000
+                    jobs.append(lambda r=r, dt=dt, payload=payload, seed=seed: packed_sharedkv_rows(
+                        cases.packed_sharedkv_case("TND", r, dt, payload=payload, seed=seed), impl))
     rows: list[Row] = []
     for n, job in enumerate(jobs):
         rows.extend(job())

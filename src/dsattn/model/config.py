@@ -22,6 +22,7 @@ class V4AttentionConfig:
     index_dim: int
     index_topk: int
     page_size: int = 64
+    kv_quant_tile: int = 64    # packed KV caches: the nope part (head_dim - rope_dim) in tiles of this size
     eps: float = 1e-6
     rope_theta: float = 10000.0
     cmp_rope_theta: float = 160000.0
@@ -40,7 +41,7 @@ PRESETS = {
                                   o_lora_rank=1024, window=128, index_heads=64, index_dim=128, index_topk=512),
     "small": V4AttentionConfig(hidden=96, heads=4, head_dim=64, rope_dim=16, q_lora_rank=48, o_groups=2,
                                o_lora_rank=32, window=16, index_heads=4, index_dim=32, index_topk=512,
-                               page_size=16),
+                               page_size=16, kv_quant_tile=16),
 }
 
 

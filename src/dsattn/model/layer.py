@@ -5,6 +5,13 @@ compressed layer runs ``compressor_inference`` (slots and rotary rows from
 ``compressor_metadata``); a CSA layer also runs the indexer compressor and
 ``lightning_indexer``; the attention is ``sparse_attn_sharedkv`` with the step's plan for the
 layer type.  Every length the step needs comes from CPU mirrors (:class:`StepInputs`).
+
+``kv_cache_dtype=torch.int8`` (or ``torch.float8_e4m3fn``) keeps the window and compressed
+KV caches as packed rows (:func:`dsattn.quant.quantize_kv_rows`: the nope part quantised in
+tiles of ``cfg.kv_quant_tile``, the rope part 16-bit, fp32 scales) and attends with
+``sparse_attn_sharedkv_packed``, which dequantises only the rows it reads.  Indexer keys and
+compressor states keep their own dtypes (60 §1: quantised indexer caches are out of scope,
+the state is float32).
 """
 from __future__ import annotations
 
@@ -14,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..common.rope import rms_norm, rotary
+from ..quant.block import PAYLOAD_DTYPES
+from ..quant.rows import quantize_kv_rows, row_width
 from ..serving import compressor_metadata, sparse_attn_sharedkv_metadata_host, store_rows
 from .config import V4AttentionConfig, rope_frequencies, rope_tables
 
@@ -44,6 +53,13 @@ class LayerCaches:
     index_state: torch.Tensor | None = None    # fp32 [pages, page, 2·2·index_dim]
 
 
+def kv_row_bytes(cfg: V4AttentionConfig, kv_dtype: torch.dtype) -> int:
+    """Bytes of one window / compressed KV row stored as ``kv_dtype`` (int8 / fp8: packed)."""
+    if kv_dtype in PAYLOAD_DTYPES:
+        return row_width(cfg.head_dim - cfg.rope_dim, cfg.rope_dim, cfg.kv_quant_tile)
+    return cfg.head_dim * kv_dtype.itemsize
+
+
 def _w(g, *shape, scale):
     return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
 
@@ -52,10 +68,17 @@ class DeepseekV4Attention:
     """Weights as plain tensors (float64 masters; :meth:`weights` casts them to the layer dtype)."""
 
     def __init__(self, cfg: V4AttentionConfig, ratio: int, *, seed: int = 0, dtype=torch.float32,
-                 max_positions: int = 4096):
+                 max_positions: int = 4096, kv_cache_dtype: torch.dtype | None = None):
         if ratio not in (0, 4, 128):
             raise ValueError(f"ratio: value {ratio} is not one of [0, 4, 128]")
+        if kv_cache_dtype not in (None, dtype) + PAYLOAD_DTYPES:
+            raise TypeError(f"kv_cache_dtype: {kv_cache_dtype} is not supported; expected None (the layer dtype "
+                            f"{dtype}), torch.int8 or torch.float8_e4m3fn")
         self.cfg, self.ratio, self.dtype = cfg, ratio, dtype
+        self.kv_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+        self.packed = self.kv_dtype in PAYLOAD_DTYPES
+        if self.packed:
+            row_width(cfg.head_dim - cfg.rope_dim, cfg.rope_dim, cfg.kv_quant_tile)   # validates the tiling
         g = torch.Generator().manual_seed(seed)
         c, h = cfg, cfg.hidden
         self.master = dict(
@@ -85,11 +108,17 @@ class DeepseekV4Attention:
         self.w = {k: (v.float() if k in fp32 else v.to(dtype)) for k, v in self.master.items()}
 
     # ------------------------------------------------------------------ caches
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one window / compressed KV cache row."""
+        return kv_row_bytes(self.cfg, self.kv_dtype)
+
     def new_caches(self, num_pages: int) -> LayerCaches:
         c, p, dt = self.cfg, self.cfg.page_size, self.dtype
-        caches = LayerCaches(window=torch.zeros(num_pages, p, 1, c.head_dim, dtype=dt))
+        kv_width = self.kv_row_bytes if self.packed else c.head_dim
+        caches = LayerCaches(window=torch.zeros(num_pages, p, 1, kv_width, dtype=self.kv_dtype))
         if self.ratio:
-            caches.cmp = torch.zeros(num_pages, p, 1, c.head_dim, dtype=dt)
+            caches.cmp = torch.zeros(num_pages, p, 1, kv_width, dtype=self.kv_dtype)
             caches.state = torch.zeros(num_pages, p, 2 * self.coff * c.head_dim)
         if self.ratio == 4:
             caches.index_keys = torch.zeros(num_pages, p, 1, c.index_dim, dtype=dt)
@@ -105,6 +134,13 @@ class DeepseekV4Attention:
         rot = rotary(t[..., -R:].float(), cos, -sin if inverse else sin, INTERLEAVE).to(t.dtype)
         return torch.cat([t[..., :-R], rot], -1)
 
+    def _cache_rows(self, rows: torch.Tensor, clock) -> torch.Tensor:
+        """KV rows ``[T, D]`` as the cache stores them ``[T, 1, width]``."""
+        if not self.packed:
+            return rows[:, None]
+        with clock("quantize_kv_rows"):
+            return quantize_kv_rows(rows, self.cfg.rope_dim, self.kv_dtype, self.cfg.kv_quant_tile)[:, None]
+
     def forward(self, x: torch.Tensor, step: StepInputs, caches: LayerCaches,
                 timer: dict | None = None) -> torch.Tensor:
         """``timer``: optional dict that accumulates seconds per operator."""
@@ -118,8 +154,9 @@ class DeepseekV4Attention:
         q = self._rope(q, step.positions)
         kv = rms_norm((x @ w["wkv"].T).float(), w["kv_norm"].float(), c.eps).to(x.dtype)
         kv = self._rope(kv, step.positions)
+        kv_rows = self._cache_rows(kv, clock)
         with clock("store_rows"):
-            store_rows(caches.window, kv[:, None], step.window_slots)
+            store_rows(caches.window, kv_rows, step.window_slots)
         attn_kw = dict(ori_kv=caches.window, ori_block_table=step.raw_table, cu_seqlens_q=step.cu_seqlens_q,
                        seqused_kv=step.seqused_kv, sinks=w["sinks"], metadata=step.plans.get(r),
                        softmax_scale=c.softmax_scale, ori_win_left=c.window - 1, layout_q="TND", layout_kv="PA_ND")
@@ -134,8 +171,9 @@ class DeepseekV4Attention:
                 ckv = torch.ops.dsattn.compressor_inference(x, w["cmp_wkv"], w["cmp_wgate"], caches.state, w["cmp_ape"],
                                                w["cmp_norm"].float(), sin, cos, c.rope_dim, r, coff=self.coff,
                                                norm_eps=c.eps, rotary_mode=INTERLEAVE, **common)
+            cmp_rows = self._cache_rows(ckv, clock)
             with clock("store_rows"):
-                store_rows(caches.cmp, ckv[:, None], slots)
+                store_rows(caches.cmp, cmp_rows, slots)
             attn_kw.update(cmp_kv=caches.cmp, cmp_block_table=step.cmp_table, cmp_ratio=r)
             if r == 4:
                 with clock("compressor_inference"):
@@ -154,8 +192,13 @@ class DeepseekV4Attention:
                         layout_k="PA_BBND", mask_mode=3, cmp_ratio=4)
                 attn_kw["cmp_sparse_indices"] = top
                 self.last_topk = top
-        with clock("sparse_attn_sharedkv"):
-            o, _ = torch.ops.dsattn.sparse_attn_sharedkv(q, **attn_kw)
+        if self.packed:
+            with clock("sparse_attn_sharedkv_packed"):
+                o, _ = torch.ops.dsattn.sparse_attn_sharedkv_packed(q, kv_rope_dim=c.rope_dim,
+                                                                    kv_tile_size=c.kv_quant_tile, **attn_kw)
+        else:
+            with clock("sparse_attn_sharedkv"):
+                o, _ = torch.ops.dsattn.sparse_attn_sharedkv(q, **attn_kw)
         o = self._rope(o, step.positions, inverse=True)
         G = c.o_groups
         o = torch.einsum("tgk,gok->tgo", o.reshape(T, G, -1), w["wo_a"]).reshape(T, -1)
