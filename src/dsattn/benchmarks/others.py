@@ -6,7 +6,7 @@ import time
 import torch
 
 from .. import ops, reference
-from ..quant.rows import pack_kv_rows
+from ..quant.rows import pack_kv_rows, quantize_kv_rows
 from ..quant.block import quantize_tiles
 from . import workloads
 from .harness import Result, timeit
@@ -77,6 +77,7 @@ def backward(smoke=False, results=None):
 
 def kv_quant(smoke=False, results=None):
     results = [] if results is None else results
+    sharedkv_packed(smoke, results)
     B, topk, heads, block = (2, 64, 16, 128) if smoke else (32, 2048, 128, 128)
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(4096 if smoke else 16384, (8192 if smoke else 131072) + 1, (B,), generator=g)
@@ -102,4 +103,41 @@ def kv_quant(smoke=False, results=None):
         from ..testing import compare
         results[-1].extra["matches_golden"] = bool(compare(got, want))
         results.append(Result("kv_quant", results[-1].workload, "golden", time.perf_counter() - t0, flops / 1e9))
+    return results
+
+
+def _sharedkv_decode(B, ratio, fixed=None):
+    """The attention decode workload as ``sparse_attn_sharedkv`` arguments (TND q, PA_ND caches)."""
+    q, kw, flops, _ = workloads.decode(B=B, ratio=ratio, fixed=fixed)
+    args = dict(ori_kv=kw["ori_kv"], ori_block_table=kw["ori_block_table"], seqused_kv=kw["seqused_ori_kv"],
+                cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32), sinks=kw["sinks"],
+                softmax_scale=kw["softmax_scale"], ori_win_left=kw["ori_win_left"], layout_q="TND", layout_kv="PA_ND")
+    if ratio > 1:
+        args.update(cmp_kv=kw["cmp_kv"], cmp_block_table=kw["cmp_block_table"], cmp_ratio=ratio)
+        if "cmp_sparse_indices" in kw:
+            args["cmp_sparse_indices"] = kw["cmp_sparse_indices"].reshape(B, 1, -1)
+    return q.reshape(B, *q.shape[2:]), args, flops
+
+
+def sharedkv_packed(smoke=False, results=None):
+    """V4 decode over packed int8 window / compressed caches (604-byte rows: 448 nope in tiles of
+    64, bf16 rope 64, fp32 scales) against the same step over bf16 caches (1024-byte rows)."""
+    results = [] if results is None else results
+    B = 2 if smoke else 32
+    for ratio, name in ((4, "CSA"), (128, "HCA")):
+        q, args, flops = _sharedkv_decode(B, ratio, fixed=2048 if smoke else None)
+        packed = dict(args, **{k: quantize_kv_rows(args[k][..., 0, :], 64, torch.int8, 64)[..., None, :]
+                               for k in ("ori_kv", "cmp_kv")})
+        workload = f"V4 decode B{B} {name} sharedkv, PA_ND (bf16 vs int8 packed cache)"
+        t = timeit(lambda: ops.sparse_attn_sharedkv(q, **args), repeat=2)
+        tp = timeit(lambda: ops.sparse_attn_sharedkv_packed(q, kv_rope_dim=64, kv_tile_size=64, **packed), repeat=2)
+        rb, rp = args["cmp_kv"].stride(1) * 2, packed["cmp_kv"].size(-1)
+        results.append(Result("kv_quant", workload, "dsattn", t, flops / 1e9, note=f"bf16 rows {rb} B"))
+        results.append(Result("kv_quant", workload, "dsattn packed int8", tp, flops / 1e9,
+                              note=f"int8 rows {rp} B: {rb / rp:.2f}x tokens per cache byte"))
+        if smoke:
+            got, _ = ops.sparse_attn_sharedkv_packed(q, kv_rope_dim=64, kv_tile_size=64, **packed)
+            want, _ = reference.sparse_attn_sharedkv_packed(q, kv_rope_dim=64, kv_tile_size=64, **packed)
+            from ..testing import compare
+            results[-1].extra["matches_golden"] = bool(compare(got, want))
     return results
