@@ -367,3 +367,36 @@ def test_cuda_graph_capture_and_replay_match_eager(kv):
     finally:
         dsattn.set_content_checks(True)
     assert torch.allclose(replayed, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128], ids=["SWA", "CSA", "HCA"])
+def test_state_dict_official_names_round_trip(ratio):
+    """Weights under the official tensor names: exported, loaded into a layer with other weights,
+    the two layers then compute the same outputs; bad checkpoints are refused by name."""
+    src = DeepseekV4Attention(CFG, ratio, seed=1)
+    dst = DeepseekV4Attention(CFG, ratio, seed=2)
+    sd = {f"model.layers.7.attn.{k}": v.bfloat16() for k, v in src.state_dict().items()}
+    sd["model.layers.7.ffn.w1.weight"] = torch.zeros(3)                 # other modules are ignored
+    names = {k.split("attn.", 1)[1] for k in sd if ".attn." in k}
+    assert {"wq_a.weight", "wkv.weight", "attn_sink", "wo_a.weight", "wo_b.weight"} <= names
+    assert ("compressor.ape" in names) == bool(ratio) and ("indexer.compressor.ape" in names) == (ratio == 4)
+    assert sd["model.layers.7.attn.wo_a.weight"].shape == (CFG.o_groups * CFG.o_lora_rank,
+                                                           CFG.heads * CFG.head_dim // CFG.o_groups)
+    dst.load_state_dict(sd, prefix="model.layers.7.attn.")
+    for k, v in dst.state_dict().items():
+        assert torch.equal(v, src.state_dict()[k].bfloat16().double()), k
+    src.load_state_dict({k: v.double() for k, v in dst.state_dict().items()})   # same bf16-rounded weights
+    g = torch.Generator().manual_seed(0)
+    X = [torch.randn(L, CFG.hidden, generator=g) for L in LENS]
+    a, _, _, _ = run(src, X, SCHEDULES["chunks-23"])
+    b, _, _, _ = run(dst, X, SCHEDULES["chunks-23"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    good = src.state_dict()
+    with pytest.raises(ValueError, match="missing .*wkv.weight"):
+        dst.load_state_dict({k: v for k, v in good.items() if k != "wkv.weight"})
+    with pytest.raises(ValueError, match="unexpected .*bogus"):
+        dst.load_state_dict(dict(good, bogus=torch.zeros(1)))
+    with pytest.raises(ValueError, match="wq_b.weight has shape"):
+        dst.load_state_dict(dict(good, **{"wq_b.weight": torch.zeros(3, 3)}))
+    with pytest.raises(TypeError, match="dequantise FP8"):
+        dst.load_state_dict(dict(good, **{"wkv.weight": good["wkv.weight"].to(torch.float8_e4m3fn)}))

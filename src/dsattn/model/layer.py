@@ -53,6 +53,18 @@ class LayerCaches:
     index_state: torch.Tensor | None = None    # fp32 [pages, page, 2·2·index_dim]
 
 
+# official tensor name (relative to a layer's ``attn`` module) -> this layer's weight key
+OFFICIAL_NAMES = {
+    "wq_a.weight": "wq_a", "q_norm.weight": "q_norm", "wq_b.weight": "wq_b", "wkv.weight": "wkv",
+    "kv_norm.weight": "kv_norm", "attn_sink": "sinks", "wo_a.weight": "wo_a", "wo_b.weight": "wo_b",
+    "compressor.wkv.weight": "cmp_wkv", "compressor.wgate.weight": "cmp_wgate", "compressor.ape": "cmp_ape",
+    "compressor.norm.weight": "cmp_norm",
+    "indexer.wq_b.weight": "idx_wq_b", "indexer.weights_proj.weight": "idx_w",
+    "indexer.compressor.wkv.weight": "idx_wkv", "indexer.compressor.wgate.weight": "idx_wgate",
+    "indexer.compressor.ape": "idx_ape", "indexer.compressor.norm.weight": "idx_norm",
+}
+
+
 def kv_row_bytes(cfg: V4AttentionConfig, kv_dtype: torch.dtype) -> int:
     """Bytes of one window / compressed KV row stored as ``kv_dtype`` (int8 / fp8: packed)."""
     if kv_dtype in PAYLOAD_DTYPES:
@@ -104,8 +116,48 @@ class DeepseekV4Attention:
                                idx_w=_w(g, c.index_heads, h, scale=h ** -0.5))
         self.freqs = rope_frequencies(cfg, ratio > 0)
         self.cos, self.sin = rope_tables(self.freqs, max_positions)
+        self._cast_weights()
+
+    def _cast_weights(self):
         fp32 = ("sinks", "cmp_ape", "idx_ape")                     # float32 by the operators' contracts
-        self.w = {k: (v.float() if k in fp32 else v.to(dtype)) for k, v in self.master.items()}
+        self.w = {k: (v.float() if k in fp32 else v.to(self.dtype)) for k, v in self.master.items()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The weights under the official DeepSeek-V4 tensor names, relative to the layer's ``attn``
+        module (a checkpoint stores them as ``layers.{i}.attn.<name>`` or
+        ``model.layers.{i}.attn.<name>``): ``wo_a.weight`` is the ``[o_groups·o_lora_rank,
+        heads·head_dim / o_groups]`` linear weight."""
+        out = {}
+        for name, key in OFFICIAL_NAMES.items():
+            if key in self.master:
+                t = self.master[key]
+                out[name] = t.reshape(-1, t.size(-1)) if key == "wo_a" else t
+        return out
+
+    def load_state_dict(self, state_dict: dict, prefix: str = "") -> None:
+        """Load the official-name weights found under ``prefix`` (e.g. ``"model.layers.2.attn."``);
+        every name this layer type has must be present with its shape, and no other name under
+        the prefix may be.  Floating-point tensors only (dequantise FP8 checkpoint weights first)."""
+        want = self.state_dict()
+        got = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        missing = sorted(set(want) - set(got))
+        if missing:
+            raise ValueError(f"state_dict: missing {[prefix + m for m in missing]} for a ratio-{self.ratio} layer")
+        extra = sorted(set(got) - set(want))
+        if extra:
+            raise ValueError(f"state_dict: unexpected {[prefix + e for e in extra]} for a ratio-{self.ratio} layer")
+        for name, t in got.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.element_size() < 2:
+                raise TypeError(f"state_dict: {prefix + name} must be a float16 / bfloat16 / float32 / float64 "
+                                f"tensor, got {getattr(t, 'dtype', type(t))} (dequantise FP8 weights first)")
+            if tuple(t.shape) != tuple(want[name].shape):
+                raise ValueError(f"state_dict: {prefix + name} has shape {tuple(t.shape)}, expected "
+                                 f"{tuple(want[name].shape)} for this config")
+        for name, t in got.items():
+            key = OFFICIAL_NAMES[name]
+            self.master[key] = t.detach().to(torch.float64).reshape(self.master[key].shape).clone()
+        self._cast_weights()
 
     # ------------------------------------------------------------------ caches
     @property
