@@ -280,12 +280,16 @@ def test_padded_decode_step_reads_no_device_data_and_padding_changes_nothing(rat
     x_pad = torch.cat([x_dec, torch.full((2, CFG.hidden), 7.0)])
 
     def forbidden(*a, **k):
-        raise AssertionError("host read of tensor data inside the decode step")
+        raise AssertionError("host read of tensor data (or host data copied in) inside the decode step")
     dsattn.set_content_checks(False)
     try:
-        for name in ("item", "cpu", "tolist", "numpy"):
+        for name in ("item", "cpu", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
             monkeypatch.setattr(torch.Tensor, name, forbidden)
         monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+        # host data turned into tensors inside the step would be a host-to-device copy on an
+        # accelerator, which CUDA graph capture does not allow
+        monkeypatch.setattr(torch, "tensor", forbidden)
+        monkeypatch.setattr(torch, "as_tensor", forbidden)
         got = layer.forward(x_pad, step, caches)
     finally:
         monkeypatch.undo()

@@ -29,7 +29,8 @@ def softmax_with_sink(s: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor |
     ``l`` the denominator including the sink and ``m`` the running max (finite; 0 for rows
     without any key and without a sink).  Masked scores may hold anything, NaN included.
     """
-    neg_inf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
+    # a fill, not torch.tensor(): a host-to-device copy is not allowed inside CUDA graph capture
+    neg_inf = torch.full((), float("-inf"), dtype=s.dtype, device=s.device)
     s = torch.where(mask.unsqueeze(-2), s, neg_inf)
     m = s.amax(-1)
     if sinks is not None:
