@@ -118,6 +118,29 @@ def test_every_mode_matches_dense_reference_and_each_other(ratio):
                 assert torch.allclose(a, e, rtol=1e-4, atol=1e-5), f"{name} {field} request {b}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("ratio", [0, 4, 128], ids=["SWA", "CSA", "HCA"])
+def test_half_precision_layer_every_mode(ratio, dtype):
+    """The layer in bf16 / fp16 (half-precision caches, the attention's half-precision paths):
+    every forward mode within half-precision error of the dense float64 reference, and of the
+    one-shot prefill."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    X = [torch.randn(L, CFG.hidden, generator=g).to(dtype) for L in LENS]
+    layer = DeepseekV4Attention(CFG, ratio, seed=3, dtype=dtype)
+    results = {name: run(layer, X, SCHEDULES[name]) for name in ("one-shot", "chunks-16", "decode", "draft-extend-2")}
+    base_out, base_tops, _, _ = results["one-shot"]
+    bound = 3e-2 if dtype == torch.bfloat16 else 5e-3
+    for b, x in enumerate(X):
+        ref = reference_layer(layer, x, base_tops[b][0] if ratio == 4 else None)
+        scale = ref.abs().max()
+        for name, (outs, _, caches, _) in results.items():
+            assert outs[b].dtype == dtype and not outs[b].isnan().any()
+            err = ((outs[b].double() - ref).abs().max() / scale).item()
+            assert err < bound, f"{name} request {b}: {err}"
+            agree = ((outs[b].double() - base_out[b].double()).abs().max() / scale).item()
+            assert agree < bound, f"{name} request {b} vs one-shot: {agree}"
+
+
 def _packed_positions(layer, caches, pb, b, n, field, pages_of):
     """Dequantised rows ``[n, d]`` of request b's first ``n`` positions of a packed cache, the
     raw bytes, and the tile scales."""
