@@ -1,8 +1,10 @@
-"""Spawned by test_context_parallel.py: ``python cp_worker.py WORLD OUTDIR RATIO SPARSE``.
+"""Spawned by test_context_parallel.py:
+``python cp_worker.py WORLD OUTDIR RATIO SPARSE [FAIL_RANK [BACKEND]]``.
 
 Builds one long request (seeded, identical on every rank), gives rank k the k-th shard of the
 raw and compressed caches (uneven cuts, one through the window), runs
-``context_parallel_attention`` over gloo and saves each rank's merged output."""
+``context_parallel_attention`` over gloo (CPU tensors) or nccl (rank k on cuda:k) and saves
+each rank's merged output (on the CPU)."""
 import os
 import sys
 
@@ -28,12 +30,16 @@ def cuts(world):
     return {1: [0, L], 2: [0, 640, L], 3: [0, 260, 650, L]}[world]
 
 
-def worker(rank, world, outdir, ratio, sparse, fail_rank=-1):
+def worker(rank, world, outdir, ratio, sparse, fail_rank=-1, backend="gloo"):
     import datetime
-    dist.init_process_group("gloo", init_method=f"file://{outdir}/store", rank=rank, world_size=world,
+    dev = torch.device("cpu")
+    if backend == "nccl":
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"file://{outdir}/store", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     from dsattn.serving import context_parallel_attention
-    q, ori, cmp, sinks, idx = problem(ratio, sparse)
+    q, ori, cmp, sinks, idx = (None if t is None else t.to(dev) for t in problem(ratio, sparse))
     c = cuts(world)
     branch = dict(softmax_scale=D ** -0.5, cmp_ratio=ratio)
     if cmp is not None:
@@ -42,11 +48,12 @@ def worker(rank, world, outdir, ratio, sparse, fail_rank=-1):
     if rank == fail_rank:
         sinks = sinks.double()                   # a bad argument on one rank: TypeError naming sinks
     out = context_parallel_attention(q, ori[c[rank]:c[rank + 1]], c[rank], L, sinks=sinks, **branch)
-    torch.save(out, os.path.join(outdir, f"out{rank}.pt"))
+    torch.save(out.cpu(), os.path.join(outdir, f"out{rank}.pt"))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     world, outdir, ratio, sparse = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
     fail_rank = int(sys.argv[5]) if len(sys.argv) > 5 else -1
-    mp.spawn(worker, args=(world, outdir, ratio, sparse, fail_rank), nprocs=world, join=True)
+    backend = sys.argv[6] if len(sys.argv) > 6 else "gloo"
+    mp.spawn(worker, args=(world, outdir, ratio, sparse, fail_rank, backend), nprocs=world, join=True)

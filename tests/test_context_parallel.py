@@ -45,6 +45,19 @@ def test_spawned_ranks_match_single_process(world, ratio, sparse, tmp_path):
     assert res, res
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2
+                         and torch.distributed.is_nccl_available()), reason="NCCL needs two GPUs")
+@pytest.mark.parametrize("ratio,sparse", SCEN, ids=["SWA", "CSA", "HCA"])
+def test_nccl_ranks_match_single_process(ratio, sparse, tmp_path):
+    proc = subprocess.run([sys.executable, str(Path(cp_worker.__file__)), "2", str(tmp_path), str(ratio),
+                           "1" if sparse else "0", "-1", "nccl"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(2)]
+    assert torch.equal(outs[0], outs[1])
+    res = testing.fp32_math_close(outs[0], single_process(ratio, sparse))
+    assert res, res
+
+
 def test_sink_counted_once_and_empty_shards():
     """Merging in-process: a sink passed to every partial would be counted once per partial; the
     helper passes none to the partials.  A shard with no visible key is an invalid partial."""
