@@ -126,9 +126,18 @@ class PackedKV:
                  f"kv_rope_dim={self.rope_head_dim}, kv_tile_size={self.tile_size} (expected {self.width(D)})")
 
     def decoder(self, out_dtype: torch.dtype):
-        """``rows [..., W] -> keys [..., D]`` in ``out_dtype``."""
+        """``rows [..., W] -> keys [..., D]`` in ``out_dtype``: the ``k`` of :func:`dequant_kv_rows`,
+        bit for bit, written into one output (half the time of unpack + dequantise + concatenate)."""
+        R, tile = self.rope_head_dim, self.tile_size
         rope_dtype = rope_bytes_dtype(out_dtype)
 
         def decode(rows: torch.Tensor) -> torch.Tensor:
-            return dequant_kv_rows(rows, self.rope_head_dim, out_dtype, rope_dtype, self.tile_size)[0]
+            N = nope_width(rows.size(-1), R, tile)
+            u8 = rows.view(torch.uint8)
+            out = torch.empty(*rows.shape[:-1], N + R, dtype=out_dtype, device=rows.device)
+            scales = u8[..., N + 2 * R:].contiguous().view(torch.float32)
+            out[..., :N] = rows[..., :N].float().unflatten(-1, (-1, tile)).mul_(scales[..., None]).flatten(-2)
+            if R:
+                out[..., N:] = u8[..., N:N + 2 * R].contiguous().view(rope_dtype)
+            return out
         return decode
