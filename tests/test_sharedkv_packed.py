@@ -127,6 +127,11 @@ def test_error_unpacked_cache_and_bad_quantiser_args():
         quant.quantize_kv_rows(k, 16, torch.bfloat16, 16)
     with pytest.raises(ValueError, match="rope_head_dim"):
         quant.quantize_kv_rows(k, 16, torch.int8, 32)
+    with pytest.raises(TypeError, match="k: dtype torch.int32"):
+        quant.quantize_kv_rows(k.int(), 16, torch.int8, 16)
+    k[2, 5] = float("inf")
+    with pytest.raises(ValueError, match=r"k: holds a non-finite value inf at \[2, 5\]"):
+        quant.quantize_kv_rows(k, 16, torch.int8, 16)
 
 
 def test_torch_compile_fullgraph():

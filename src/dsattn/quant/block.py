@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.checks import check_float, fail
+from ..common.checks import check_float, content_checks_enabled, fail
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 DST_TYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -31,6 +31,14 @@ def check_block_args(x: torch.Tensor, tile_size: int) -> None:
         fail("tile_size", f"value {tile_size} must be >= 1")
     if x.dim() < 1 or x.size(-1) % tile_size:
         fail("x", f"last dim {x.size(-1) if x.dim() else None} is not a multiple of tile_size={tile_size}")
+
+
+def check_finite(arg: str, x: torch.Tensor) -> None:
+    """Non-finite input has no defined quantisation (40 §1.2 leaves it unspecified); the library
+    rejects it as a content check, so it never becomes a silent NaN scale in a cache."""
+    if content_checks_enabled(x) and not bool(torch.isfinite(x).all()):
+        bad = (~torch.isfinite(x)).nonzero()[0].tolist()
+        fail(arg, f"holds a non-finite value {float(x[tuple(bad)])} at {bad}; quantisation needs finite input")
 
 
 def quantize_tiles(x: torch.Tensor, dtype: torch.dtype, tile_size: int):

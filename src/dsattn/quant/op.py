@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .._registry import register
-from ..common.checks import content_checks_enabled, fail
-from .block import PAYLOAD_DTYPES, check_block_args, dequant_block, dst_dtype, quantize_tiles
+from ..common.checks import fail
+from .block import PAYLOAD_DTYPES, check_block_args, check_finite, dequant_block, dst_dtype, quantize_tiles
 from .store import parse_store, store
 
 DYNAMIC_BLOCK_QUANT_SCHEMA = 'dynamic_block_quant(Tensor x, str dst_type="int8", int tile_size=128) -> (Tensor, Tensor)'
@@ -21,14 +21,6 @@ def _quant(x, dst_type="int8", tile_size=128):
     check_block_args(x, tile_size)
     check_finite("x", x)
     return quantize_tiles(x, dst_dtype(dst_type), tile_size)
-
-
-def check_finite(arg: str, x: torch.Tensor) -> None:
-    """Non-finite input has no defined quantisation (40 §1.2 leaves it unspecified); the library
-    rejects it as a content check, so it never becomes a silent NaN scale in a cache."""
-    if content_checks_enabled(x) and not bool(torch.isfinite(x).all()):
-        bad = (~torch.isfinite(x)).nonzero()[0].tolist()
-        fail(arg, f"holds a non-finite value {float(x[tuple(bad)])} at {bad}; quantisation needs finite input")
 
 
 def _quant_fake(x, dst_type="int8", tile_size=128):

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.checks import fail
-from .block import PAYLOAD_DTYPES, dequant_block, quantize_tiles
+from ..common.checks import check_float, fail
+from .block import PAYLOAD_DTYPES, check_finite, dequant_block, quantize_tiles
 
 KV_LORA_RANK = 512
 TILE_SIZE = 128
@@ -89,6 +89,8 @@ def quantize_kv_rows(k: torch.Tensor, rope_head_dim: int, dtype: torch.dtype = t
     16-bit (:func:`rope_bytes_dtype`).  Inverse: :func:`dequant_kv_rows` (its ``k``)."""
     if dtype not in PAYLOAD_DTYPES:
         fail("dtype", f"value {dtype} is not supported; expected torch.int8 or torch.float8_e4m3fn", TypeError)
+    check_float("k", k, allow_f64=True)
+    check_finite("k", k)
     N = k.size(-1) - rope_head_dim
     if rope_head_dim < 0 or N < 1 or N % tile_size:
         fail("rope_head_dim", f"value {rope_head_dim} leaves {N} quantised columns of a {k.size(-1)}-wide row; "
