@@ -77,7 +77,8 @@ def _w(g, *shape, scale):
 
 
 class DeepseekV4Attention:
-    """Weights as plain tensors (float64 masters; :meth:`weights` casts them to the layer dtype)."""
+    """Weights as plain tensors: float64 masters (``master``, random from ``seed`` or loaded with
+    :meth:`load_state_dict`) and their casts to the layer dtype (``w``)."""
 
     def __init__(self, cfg: V4AttentionConfig, ratio: int, *, seed: int = 0, dtype=torch.float32,
                  max_positions: int = 4096, kv_cache_dtype: torch.dtype | None = None):
