@@ -3,7 +3,8 @@ flash-decode reduction.
 
 Each enabled cube core walks its range ``[start, end)`` of (bn2, m-block, s2-block) units.
 A row (m-block) the core holds whole is finished on that core: its query rows attend over
-all their keys (window keys, then compressed keys) with the sink.  A row split across cores
+all their keys (window keys, then compressed keys) with the sink (the whole rows of all cores
+are computed here in one batched pass).  A row split across cores
 leaves one *partial state* per core in the FD workspace: attention over only the keys of the
 core's s2-blocks, normalised, with its LSE and without the sink.  Each enabled vector core
 then merges the partial states of its FD task for its slice of the m-block's rows by LSE,
@@ -102,29 +103,29 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
 
     workspace = {}
     step = P.rows_per_block()
-    by_core: dict = {}
-    for seg in walk(plan, rows_of):
-        by_core.setdefault(seg.core, []).append(seg)
-    for core, segs in sorted(by_core.items()):
-        whole = [s for s in segs if not s.partial]
-        if whole:
-            ts, hs = zip(*(pairs(s.bn2, s.m) for s in whole))
-            t_all, h_all = torch.cat(ts), torch.cat(hs)
-            done.index_put_((t_all, h_all), torch.ones_like(t_all, dtype=torch.int32), accumulate=True)
-            sel = torch.zeros(R, H, dtype=torch.bool, device=dev)
-            sel[t_all, h_all] = True
-            t_lo, t_hi = int(t_all.min()), int(t_all.max()) + 1
-            for t0 in range(t_lo, t_hi, step):
-                t1 = min(t_hi, t0 + step)
-                (o, _), _ = attend_rows(t0, t1)
-                out[t0:t1] = torch.where(sel[t0:t1, :, None], o, out[t0:t1])
-        for s in (s for s in segs if s.partial):
-            t, h = pairs(s.bn2, s.m)
-            g = int(off[s.bn2]) + s.m
-            t0, t1 = int(t.min()), int(t.max()) + 1
-            (o, lse), has_key = attend_rows(t0, t1, (g, s.s2_lo, s.s2_hi), with_sinks=False)
-            lt = t - t0
-            workspace[s.slot] = (o[lt, h], lse[lt, h], has_key[lt])
+    segs = list(walk(plan, rows_of))
+    # Rows a core holds whole are final on that core.  A CPU has no cube cores to hand them to, so
+    # the whole rows of every core are computed in one batched pass; the per-core ranges still
+    # decide which rows are whole and which are split, and ``done`` still catches a row planned twice.
+    whole = [s for s in segs if not s.partial]
+    if whole:
+        ts, hs = zip(*(pairs(s.bn2, s.m) for s in whole))
+        t_all, h_all = torch.cat(ts), torch.cat(hs)
+        done.index_put_((t_all, h_all), torch.ones_like(t_all, dtype=torch.int32), accumulate=True)
+        sel = torch.zeros(R, H, dtype=torch.bool, device=dev)
+        sel[t_all, h_all] = True
+        t_lo, t_hi = int(t_all.min()), int(t_all.max()) + 1
+        for t0 in range(t_lo, t_hi, step):
+            t1 = min(t_hi, t0 + step)
+            (o, _), _ = attend_rows(t0, t1)
+            out[t0:t1] = torch.where(sel[t0:t1, :, None], o, out[t0:t1])
+    for s in (s for s in segs if s.partial):                   # one partial state per split piece
+        t, h = pairs(s.bn2, s.m)
+        g = int(off[s.bn2]) + s.m
+        t0, t1 = int(t.min()), int(t.max()) + 1
+        (o, lse), has_key = attend_rows(t0, t1, (g, s.s2_lo, s.s2_hi), with_sinks=False)
+        lt = t - t0
+        workspace[s.slot] = (o[lt, h], lse[lt, h], has_key[lt])
     for bn2, m, ws, split, m_start, m_num in plan.fd:
         t, h = pairs(bn2, m, m_start, m_start + m_num)
         parts = [workspace.get(ws + k) for k in range(split)]
