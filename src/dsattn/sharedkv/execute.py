@@ -18,6 +18,8 @@ not at all) raises ``ValueError`` naming ``metadata``.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..common.checks import fail, host_ints
@@ -51,7 +53,7 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
     B, G, mb = pp.B, pp.G, pp.m_base
     off = rw.off
 
-    rows_of = rw.views
+    rows_of = functools.lru_cache(maxsize=None)(rw.views)     # the invariant check and the walk share them
 
     if P.content:
         split = bool(plan.fd) or any(s[2] for s in plan.starts) or any(e[2] for e in plan.ends)
