@@ -9,7 +9,7 @@ import torch
 
 from dsattn import quant, testing
 from dsattn.model import PRESETS, DeepseekV4Attention
-from dsattn.model.layer import PagedBatch
+from dsattn.model.layer import PagedBatch, compressor_overlap
 from dsattn.model.reference import reference_layer
 
 CFG = PRESETS["small"]
@@ -19,7 +19,7 @@ PAYLOADS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 def fresh(layer, pages, poison=True):
     """A page allocator and the layer's caches; every cache NaN when ``poison``."""
-    pb = PagedBatch(CFG, pages, 16)
+    pb = PagedBatch(CFG, pages, 24)
     caches = layer.new_caches(pages)
     if poison:
         for t in vars(caches).values():
@@ -214,7 +214,7 @@ def test_serving_demo_runs_and_matches_reference():
     console = Console(record=True, width=160)
     assert serving_demo.run(requests=5, decode_steps=3, console=console)
     text = console.export_text()
-    for needle in ("prefill throughput", "decode throughput", "KV row bytes", "planner balance",
+    for needle in ("prefill throughput", "decode throughput", "KV row bytes", "planner balance", "raw pages held",
                    "time share: sparse_attn_sharedkv", "dense float64 reference"):
         assert needle in text
 
@@ -427,3 +427,62 @@ def test_state_dict_official_names_round_trip(ratio):
         dst.load_state_dict(dict(good, **{"wq_b.weight": torch.zeros(3, 3)}))
     with pytest.raises(TypeError, match="dequantise FP8"):
         dst.load_state_dict(dict(good, **{"wkv.weight": good["wkv.weight"].to(torch.float8_e4m3fn)}))
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128], ids=["SWA", "CSA", "HCA"])
+def test_released_pages_are_never_read_and_are_reused(ratio):
+    """``release_old_pages``: raw pages below the window and the open compressor groups go back to
+    the allocator (table entries -1).  Every free page is NaN before each step, so a read of a
+    released page would show; the outputs equal those of the run that keeps every page, a
+    request holds a bounded number of raw pages, and finished requests return all of theirs."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    lens = [300, 150, 45] if ratio == 128 else LENS     # HCA: past its open 128-token group
+    X = [torch.randn(L, CFG.hidden, generator=g) for L in lens]
+    layer = DeepseekV4Attention(CFG, ratio, seed=3)
+    sched = [{b: min(20, L) for b, L in enumerate(lens)}]
+    left = [max(L - 20, 0) for L in lens]
+    while any(left):                                    # decode (ratio 0, 4) or 3-token draft-extend steps
+        sched.append({b: min(1 if ratio != 128 else 3, n) for b, n in enumerate(left)})
+        left = [n - sched[-1][b] for b, n in enumerate(left)]
+    want, _, _, _ = run(layer, X, sched)
+    pb = PagedBatch(CFG, 96, 24, release_old_pages=True)
+    caches = layer.new_caches(96)
+    done = {b: 0 for b in range(len(X))}
+    outs = {b: [] for b in range(len(X))}
+    ratios = (0, ratio) if ratio else (0,)
+    held = 0
+    for spec in sched:
+        reqs = [b for b, n in spec.items() if n]
+        news = [spec[b] for b in reqs]
+        step = pb.step(reqs, news, CFG.heads, ratios)
+        for t in (caches.window, caches.state):
+            if t is not None:
+                t[pb.free] = float("nan")
+        y = layer.forward(torch.cat([X[b][done[b]:done[b] + n] for b, n in zip(reqs, news)]), step, caches)
+        o = 0
+        for b, n in zip(reqs, news):
+            outs[b].append(y[o:o + n])
+            o += n
+            done[b] += n
+            held = max(held, sum(p >= 0 for p in pb.raw_pages[b]))
+            assert (step.raw_table[reqs.index(b), :len(pb.raw_pages[b])] == torch.tensor(pb.raw_pages[b])).all()
+    for b in range(len(X)):
+        assert torch.equal(torch.cat(outs[b]), want[b]), f"request {b}"
+    need = max(CFG.window - 1, (compressor_overlap(ratio) * ratio) if ratio else 0) + 1
+    assert held <= -(-need // CFG.page_size) + 1, held
+    assert all(-1 in pb.raw_pages[b] for b in range(2))           # something was released
+    for b in range(len(X)):
+        pb.finish(b)
+    assert sorted(pb.free) == list(range(1, 96))
+
+
+def test_first_needed_position():
+    pb = PagedBatch(CFG, 8, 4)
+    W = CFG.window                                                  # 16 in the small preset
+    assert pb.first_needed_position(100, (0,)) == 100 - W + 1
+    assert pb.first_needed_position(100, (0, 4)) == 100 - W + 1   # CSA state: from (25 - 1)·4 = 96
+    assert pb.first_needed_position(100, (0, 128)) == 0           # HCA state: the open group from 0
+    assert pb.first_needed_position(300, (0, 128)) == 256
+    assert pb.first_needed_position(5, (0, 4, 128)) == 0
+    with pytest.raises(RuntimeError, match="max_pages_per_req"):
+        pb.step([0], [5 * CFG.page_size], CFG.heads)

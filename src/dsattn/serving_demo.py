@@ -73,7 +73,7 @@ def run(requests: int = 32, decode_steps: int = 24, preset: str = "small", dtype
               for k, r in enumerate(RATIOS)]
     max_pages = max(-(-t // cfg.page_size) for t in totals) + 1
     num_pages = requests * max_pages + 2
-    pb = PagedBatch(cfg, num_pages, max_pages)
+    pb = PagedBatch(cfg, num_pages, max_pages, release_old_pages=True)
     caches = [layer.new_caches(num_pages) for layer in layers]
     hidden_out = {b: [] for b in range(requests)}
     inputs = {b: [[] for _ in layers] for b in range(requests)}    # per layer input rows (reference chain)
@@ -145,6 +145,10 @@ def run(requests: int = 32, decode_steps: int = 24, preset: str = "small", dtype
     table.add_row("KV cache bytes per token (SWA + CSA + HCA layers)",
                   f"bf16 {bf16_tok:,.0f} B, int8 packed {packed_tok:,.0f} B ({bf16_tok / packed_tok:.2f}x tokens "
                   f"per byte)")
+    held = sum(p >= 0 for pages in pb.raw_pages.values() for p in pages)
+    kept = sum(-(-n // cfg.page_size) for n in pb.lengths.values())
+    table.add_row("raw pages held at the end (window KV + compressor state)",
+                  f"{held} of {kept} ({kept - held} released: older than the window and the open groups)")
     table.add_row("planner balance (CSA plan, 24 cores; max / ideal)",
                   f"mean {sum(balance) / len(balance):.3f}, worst {max(balance):.3f}")
     for name, us in sorted(ops_time.items(), key=lambda kv: -kv[1]):

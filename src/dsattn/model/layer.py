@@ -65,6 +65,11 @@ OFFICIAL_NAMES = {
 }
 
 
+def compressor_overlap(ratio: int) -> int:
+    """``coff`` of the layer type's compressors: 2 (overlapping groups) for CSA, 1 for HCA."""
+    return 2 if ratio == 4 else 1
+
+
 def kv_row_bytes(cfg: V4AttentionConfig, kv_dtype: torch.dtype) -> int:
     """Bytes of one window / compressed KV row stored as ``kv_dtype`` (int8 / fp8: packed)."""
     if kv_dtype in PAYLOAD_DTYPES:
@@ -103,7 +108,7 @@ class DeepseekV4Attention:
                     scale=(c.heads // c.o_groups * c.head_dim) ** -0.5),
             wo_b=_w(g, h, c.o_groups * c.o_lora_rank, scale=(c.o_groups * c.o_lora_rank) ** -0.5))
         if ratio:
-            coff = 2 if ratio == 4 else 1
+            coff = compressor_overlap(ratio)
             self.coff = coff
             self.master.update(cmp_wkv=_w(g, coff * c.head_dim, h, scale=h ** -0.5),
                                cmp_wgate=_w(g, coff * c.head_dim, h, scale=h ** -0.5),
@@ -279,23 +284,60 @@ class _Clock:
 
 class PagedBatch:
     """Requests of a serving simulation: page allocation (page 0 is the reserved dummy), block
-    tables, slots, CPU mirrors, and the per-step plans; nothing here reads device memory."""
+    tables, slots, CPU mirrors, and the per-step plans; nothing here reads device memory.
 
-    def __init__(self, cfg: V4AttentionConfig, num_pages: int, max_pages_per_req: int):
+    Raw pages hold a request's window KV rows and compressor state rows (one table for both).
+    With ``release_old_pages`` a step first returns the raw pages that no layer can read any more
+    (60 §1): pages wholly below :meth:`first_needed_position`; their table entries become -1.
+    Compressed and indexer-key pages are kept (every compressed entry stays readable).
+    """
+
+    def __init__(self, cfg: V4AttentionConfig, num_pages: int, max_pages_per_req: int, *,
+                 release_old_pages: bool = False):
         self.cfg = cfg
         self.free = list(range(num_pages - 1, 0, -1))
         self.raw_pages: dict = {}
         self.cmp_pages: dict = {}
         self.lengths: dict = {}
         self.max_pages = max_pages_per_req
+        self.release_old_pages = release_old_pages
 
     def _ensure(self, pages: dict, rid, n_entries: int):
         need = -(-n_entries // self.cfg.page_size)
         lst = pages.setdefault(rid, [])
+        if need > self.max_pages:
+            raise RuntimeError(f"PagedBatch: request {rid!r} needs {need} pages, more than max_pages_per_req="
+                               f"{self.max_pages}")
         while len(lst) < need:
             if not self.free:
                 raise RuntimeError("PagedBatch: out of pages")
             lst.append(self.free.pop())
+
+    def first_needed_position(self, prefix: int, ratios=(0, 4, 128)) -> int:
+        """Lowest raw position a step over a cached ``prefix`` reads: the window of its first query
+        (``prefix - window + 1``) and, for each compressed layer type, the compressor state of the
+        open group and, with overlap, the group before it (``(prefix // r - (coff - 1)) · r``)."""
+        lo = prefix - self.cfg.window + 1
+        for r in ratios:
+            if r:
+                lo = min(lo, (prefix // r - (compressor_overlap(r) - 1)) * r)
+        return max(lo, 0)
+
+    def _release(self, rid, prefix: int, ratios) -> None:
+        pages = self.raw_pages.get(rid, [])
+        for col in range(min(self.first_needed_position(prefix, ratios) // self.cfg.page_size, len(pages))):
+            if pages[col] >= 0:
+                self.free.append(pages[col])
+                pages[col] = -1
+
+    def finish(self, rid) -> None:
+        """Return every page of a finished request."""
+        for pages in (self.raw_pages.pop(rid, []), self.cmp_pages.pop(rid, [])):
+            self.free.extend(p for p in pages if p >= 0)
+        self.lengths.pop(rid, None)
+
+    def pages_held(self, rid) -> int:
+        return sum(p >= 0 for p in self.raw_pages.get(rid, [])) + len(self.cmp_pages.get(rid, []))
 
     def step(self, requests: list, new_tokens: list[int], heads: int, ratios=(0, 4, 128),
              pad_to: int | None = None) -> StepInputs:
@@ -310,6 +352,9 @@ class PagedBatch:
             raise ValueError(f"pad_to: {pad_to} is smaller than the {len(requests)} requests of the step")
         P = [self.lengths.get(rid, 0) for rid in requests]
         L = [p + n for p, n in zip(P, new_tokens)]
+        if self.release_old_pages:
+            for rid, p in zip(requests, P):
+                self._release(rid, p, ratios)
         for rid, length in zip(requests, L):
             self._ensure(self.raw_pages, rid, length)
             self._ensure(self.cmp_pages, rid, length // 4 + 1)
