@@ -486,3 +486,15 @@ def test_first_needed_position():
     assert pb.first_needed_position(5, (0, 4, 128)) == 0
     with pytest.raises(RuntimeError, match="max_pages_per_req"):
         pb.step([0], [5 * CFG.page_size], CFG.heads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["model", "int8"])
+def test_v4_flash_dimensions_against_reference(kv):
+    """The real V4-Flash attention dimensions (64 heads x 512, window 128, top-512, YaRN) in bf16,
+    through the demo's serving loop and its dense float64 check (`pytest -m slow`, ~1 min each)."""
+    from rich.console import Console
+
+    from dsattn import serving_demo
+    assert serving_demo.run(requests=2, decode_steps=2, preset="v4-flash", dtype=torch.bfloat16, kv_cache=kv,
+                            console=Console(record=True, width=160))
