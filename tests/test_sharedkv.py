@@ -17,25 +17,6 @@ def _seed():
     return int(torch.randint(0, 2**31 - 1, ()).item())
 
 
-def _s2o(c):
-    kw = c.kwargs
-    if "seqused_kv" in kw:
-        return kw["seqused_kv"]
-    if kw["layout_kv"] == "TND":
-        return (kw["cu_seqlens_ori_kv"][1:] - kw["cu_seqlens_ori_kv"][:-1]).to(torch.int32)
-    return torch.full((c.q.size(0),), kw["ori_kv"].size(1), dtype=torch.int32)
-
-
-def plan_for(c, ratio, cores, fd):
-    kw = c.kwargs
-    bsnd = kw["layout_q"] == "BSND"
-    return meta(c.q.size(-2), 1, c.q.size(-1), cu_seqlens_q=kw.get("cu_seqlens_q"), seqused_kv=_s2o(c),
-                batch_size=c.q.size(0) if bsnd else 0, max_seqlen_q=c.q.size(1) if bsnd else 0,
-                layout_q=kw["layout_q"], has_cmp_kv=ratio > 1, cmp_ratio=ratio if ratio > 1 else -1,
-                cmp_topk=512 if ratio == 4 else 0, ori_win_left=kw["ori_win_left"], aic_core_num=cores,
-                aiv_core_num=max(cores, 8), support_fd=fd)
-
-
 LONG = [(3, 1500), (1, 700), (0, 50), (2, 1030)]      # several window and compressed s2-blocks per row
 
 
@@ -47,7 +28,7 @@ def test_every_core_count_and_split_kv(ratio):
     split_rows = 0
     for cores in range(1, 37):
         for fd in (False, True):
-            m = plan_for(c, ratio, cores, fd)
+            m = cases.sharedkv_plan(c, ratio, cores, fd)
             split_rows += len({(e[0], e[1]) for e in decode(m).fd})
             out, lse = attn(c.q, metadata=m, **c.kwargs)
             res = testing.fp32_math_close(out, want)
@@ -67,7 +48,7 @@ def test_layouts_and_dtypes_against_golden(ratio, layout, paged, dtype):
     want64 = reference.sparse_flash_mla(c.q, compute_dtype=torch.float64, **mla_kw)[0] if dtype == torch.float32 \
         else None
     for cores, fd in ((1, False), (5, True), (24, False)):
-        out, _ = attn(c.q, metadata=plan_for(c, ratio, cores, fd), **c.kwargs)
+        out, _ = attn(c.q, metadata=cases.sharedkv_plan(c, ratio, cores, fd), **c.kwargs)
         if want64 is not None:
             res = testing.fp32_math_close(out, want64)
         else:                                 # a split row rounds P against its partial maxima
@@ -88,8 +69,9 @@ def test_softmax_scale_zero_means_inverse_sqrt_d():
 def test_plan_from_other_lengths_is_rejected():
     c = cases.sharedkv_case("TND", 128, torch.float32, seed=_seed(), lengths=LONG, D=16, window=1200)
     kw = c.kwargs
+    s2o = kw["seqused_kv"]                                   # paged: the key lengths are given
     # (twice the queries: FD tasks over rows that do not exist; one batch fewer)
-    for cu_q, s2o in ((kw["cu_seqlens_q"] * 2, _s2o(c)), (kw["cu_seqlens_q"][:-1], _s2o(c)[:-1])):
+    for cu_q, s2o in ((kw["cu_seqlens_q"] * 2, s2o), (kw["cu_seqlens_q"][:-1], s2o[:-1])):
         other = meta(4, 1, 16, cu_seqlens_q=cu_q, seqused_kv=s2o, layout_q="TND", cmp_ratio=128, cmp_topk=0,
                      ori_win_left=kw["ori_win_left"], aic_core_num=6, aiv_core_num=8, support_fd=True)
         with pytest.raises(ValueError, match="^metadata"):
@@ -113,7 +95,7 @@ def test_errors():
         attn(c.q, **dict(kw, layout_kv="BSND"))
     with pytest.raises(ValueError, match="^metadata"):                  # K = 8 is not a plannable cmp_topk
         c8 = cases.sharedkv_case("TND", 4, torch.float32, seed=1, topk=8)
-        attn(c8.q, metadata=plan_for(c8, 4, 4, False), **c8.kwargs)
+        attn(c8.q, metadata=cases.sharedkv_plan(c8, 4, 4, False), **c8.kwargs)
 
 
 def test_rows_the_planner_clips_are_still_computed(gen):

@@ -28,21 +28,6 @@ def _dequantised(c):
     return kw
 
 
-def _plan(c, ratio, cores, fd):
-    kw = c.kwargs
-    s2o = kw.get("seqused_kv")
-    if s2o is None and kw["layout_kv"] == "TND":
-        s2o = (kw["cu_seqlens_ori_kv"][1:] - kw["cu_seqlens_ori_kv"][:-1]).to(torch.int32)
-    elif s2o is None:
-        s2o = torch.full((c.q.size(0),), kw["ori_kv"].size(1), dtype=torch.int32)
-    bsnd = kw["layout_q"] == "BSND"
-    return ops.sparse_attn_sharedkv_metadata(
-        c.q.size(-2), 1, c.q.size(-1), cu_seqlens_q=kw.get("cu_seqlens_q"), seqused_kv=s2o,
-        batch_size=c.q.size(0) if bsnd else 0, max_seqlen_q=c.q.size(1) if bsnd else 0, layout_q=kw["layout_q"],
-        has_cmp_kv=ratio > 1, cmp_ratio=ratio if ratio > 1 else -1, cmp_topk=512 if ratio == 4 else 0,
-        ori_win_left=kw["ori_win_left"], aic_core_num=cores, aiv_core_num=max(cores, 8), support_fd=fd)
-
-
 @pytest.mark.parametrize("payload", list(PAYLOADS), ids=list(PAYLOADS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("layout,paged", [("TND", True), ("BSND", True), ("TND", False), ("BSND", False)],
@@ -58,7 +43,7 @@ def test_against_golden_and_dequantised_sharedkv(ratio, layout, paged, dtype, pa
     same, _ = ops.sparse_attn_sharedkv(c.q, **_dequantised(c))   # only the gathered rows are dequantised
     assert torch.equal(direct, same)
     for cores, fd in ((1, False), (5, True)):
-        planned, _ = ops.sparse_attn_sharedkv_packed(c.q, metadata=_plan(c, ratio, cores, fd), **c.kwargs)
+        planned, _ = ops.sparse_attn_sharedkv_packed(c.q, metadata=cases.sharedkv_plan(c, ratio, cores, fd), **c.kwargs)
         res = testing.split_row_close(planned, want) if fd and dtype != torch.float32 else testing.compare(planned,
                                                                                                              want)
         assert res, f"cores {cores} fd {fd}: {res}"
@@ -137,7 +122,7 @@ def test_error_unpacked_cache_and_bad_quantiser_args():
 def test_torch_compile_fullgraph():
     c = cases.packed_sharedkv_case("TND", 4, torch.float32, seed=3)
     kw = dict(c.kwargs)
-    plan = _plan(c, 4, 3, True)
+    plan = cases.sharedkv_plan(c, 4, 3, True)
 
     def step(q, metadata):
         return torch.ops.dsattn.sparse_attn_sharedkv_packed(q, metadata=metadata, **kw)

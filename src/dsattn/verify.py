@@ -163,16 +163,7 @@ def sharedkv_rows(case: cases.Case, ratio: int, impl: str = "ops", cores: int = 
     """sparse_attn_sharedkv executing a plan of ``cores`` cores (split-KV rows merged by the FD
     reduction) against the sparse_flash_mla golden; fp32 held to 1e-5 against float64."""
     q, kw, mla = case.q, case.kwargs, case.extra["mla_kwargs"]
-    s2o = kw.get("seqused_kv")
-    if s2o is None:
-        s2o = (kw["cu_seqlens_ori_kv"][1:] - kw["cu_seqlens_ori_kv"][:-1]).to(torch.int32) \
-            if kw["layout_kv"] == "TND" else torch.full((q.size(0),), kw["ori_kv"].size(1), dtype=torch.int32)
-    bsnd = kw["layout_q"] == "BSND"
-    plan = ops.sparse_attn_sharedkv_metadata(
-        q.size(-2), 1, q.size(-1), cu_seqlens_q=kw.get("cu_seqlens_q"), seqused_kv=s2o,
-        batch_size=q.size(0) if bsnd else 0, max_seqlen_q=q.size(1) if bsnd else 0, layout_q=kw["layout_q"],
-        has_cmp_kv=ratio > 1, cmp_ratio=ratio if ratio > 1 else -1, cmp_topk=512 if ratio == 4 else 0,
-        ori_win_left=kw["ori_win_left"], aic_core_num=cores, aiv_core_num=max(cores, 8), support_fd=split_kv)
+    plan = cases.sharedkv_plan(case, ratio, cores, split_kv)
     fn = reference.sparse_flash_mla if impl == "reference" else None
     if fn is not None:
         out, _ = fn(q, **mla)

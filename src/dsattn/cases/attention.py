@@ -241,3 +241,20 @@ def sharedkv_case(layout: str = "TND", ratio: int = 4, dtype=torch.float32, *, p
     if ratio == 1:
         kw.pop("cmp_ratio", None)
     return Case(c.name.replace("+PA", "+PA_ND"), q, kw, {"mla_kwargs": mla})
+
+
+def sharedkv_plan(case: Case, ratio: int, cores: int, split_kv: bool) -> torch.Tensor:
+    """A ``sparse_attn_sharedkv_metadata`` plan of ``cores`` cube cores for a sharedkv case (also a
+    packed one), built from the case's own lengths."""
+    from .. import ops
+    q, kw = case.q, case.kwargs
+    s2o = kw.get("seqused_kv")
+    if s2o is None:
+        s2o = (kw["cu_seqlens_ori_kv"][1:] - kw["cu_seqlens_ori_kv"][:-1]).to(torch.int32) \
+            if kw["layout_kv"] == "TND" else torch.full((q.size(0),), kw["ori_kv"].size(1), dtype=torch.int32)
+    bsnd = kw["layout_q"] == "BSND"
+    return ops.sparse_attn_sharedkv_metadata(
+        q.size(-2), 1, q.size(-1), cu_seqlens_q=kw.get("cu_seqlens_q"), seqused_kv=s2o,
+        batch_size=q.size(0) if bsnd else 0, max_seqlen_q=q.size(1) if bsnd else 0, layout_q=kw["layout_q"],
+        has_cmp_kv=ratio > 1, cmp_ratio=ratio if ratio > 1 else -1, cmp_topk=512 if ratio == 4 else 0,
+        ori_win_left=kw["ori_win_left"], aic_core_num=cores, aiv_core_num=max(cores, 8), support_fd=split_kv)
