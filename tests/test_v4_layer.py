@@ -147,9 +147,15 @@ def _packed_positions(layer, caches, pb, b, n, field, pages_of):
     pages = torch.tensor(getattr(pb, pages_of)[b])
     pos = torch.arange(n)
     packed = getattr(caches, field)[pages[pos // CFG.page_size], pos % CFG.page_size, 0]
+    k, scales = _dequant_packed(packed)
+    return k, packed, scales
+
+
+def _dequant_packed(packed):
+    """Packed cache rows of the small preset -> (fp32 keys, fp32 tile scales)."""
     k, _ = quant.dequant_kv_rows(packed, CFG.rope_dim, torch.float32, torch.bfloat16, CFG.kv_quant_tile)
     _, _, scales = quant.unpack_kv_rows(packed, CFG.rope_dim, torch.bfloat16, CFG.kv_quant_tile)
-    return k, packed, scales
+    return k, scales
 
 
 @pytest.mark.parametrize("payload", list(PAYLOADS))
@@ -260,8 +266,7 @@ def _unwritten_and_values(t):
     dequantised; unwritten rows 0)."""
     if t.dtype in PAYLOADS.values():
         unwritten = (t.view(torch.uint8) == 0xFF).all(-1)
-        k, _ = quant.dequant_kv_rows(t, CFG.rope_dim, torch.float32, torch.bfloat16, CFG.kv_quant_tile)
-        return unwritten, torch.where(unwritten[..., None], 0.0, k)
+        return unwritten, torch.where(unwritten[..., None], 0.0, _dequant_packed(t)[0])
     return t.isnan(), t.float().nan_to_num(0.0)
 
 
@@ -271,7 +276,7 @@ def assert_caches_match(got, want, rtol, atol):
         (un_v, val_v), (un_e, val_e) = _unwritten_and_values(v), _unwritten_and_values(getattr(want, k))
         assert torch.equal(un_v, un_e), k
         if v.dtype in PAYLOADS.values():
-            _, _, scales = quant.unpack_kv_rows(v, CFG.rope_dim, torch.bfloat16, CFG.kv_quant_tile)
+            scales = _dequant_packed(v)[1]
             step = torch.cat([scales.repeat_interleave(CFG.kv_quant_tile, -1),
                               2.0 ** -8 * val_e[..., scales.size(-1) * CFG.kv_quant_tile:].abs()], -1)
             step = torch.where(un_v[..., None], 0.0, step)

@@ -95,8 +95,7 @@ class DeepseekV4Attention:
         self.cfg, self.ratio, self.dtype = cfg, ratio, dtype
         self.kv_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         self.packed = self.kv_dtype in PAYLOAD_DTYPES
-        if self.packed:
-            row_width(cfg.head_dim - cfg.rope_dim, cfg.rope_dim, cfg.kv_quant_tile)   # validates the tiling
+        kv_row_bytes(cfg, self.kv_dtype)                        # validates a packed row's tiling
         g = torch.Generator().manual_seed(seed)
         c, h = cfg, cfg.hidden
         self.master = dict(
