@@ -67,6 +67,22 @@ def _check_used(arg: str, used: torch.Tensor | None, extent: torch.Tensor, what:
             fail(arg, f"value {ub} at batch {b} is not in [0, {eb}] ({what})")
 
 
+def check_batch_agreement(cu_name: str, cu: torch.Tensor | None, **per_batch) -> None:
+    """A TND query's batch size comes from its ``cu_seqlens`` (``B + 1`` entries).  When two or more
+    other per-batch arguments all agree on another B, the ``cu_seqlens`` is the odd one out: name it, rather
+    than the first argument that disagrees with it.  ``per_batch``: name -> (tensor or None,
+    entries minus B: 1 for cu_seqlens, 0 for [B] vectors and block-table rows)."""
+    if cu is None or cu.dim() != 1:
+        return
+    Bq = cu.size(0) - 1
+    others = {name: t.size(0) - extra for name, (t, extra) in per_batch.items() if t is not None and t.dim() >= 1}
+    if len(others) >= 2 and len(set(others.values())) == 1:              # one other argument: ambiguous
+        (Bo,) = set(others.values())
+        if Bo != Bq and Bo >= 1:
+            fail(cu_name, f"has {Bq + 1} entries (B={Bq}) but {', '.join(others)} describe B={Bo} "
+                 f"(expected {Bo + 1} entries)")
+
+
 @dataclass
 class QueryRows:
     """Flattened query rows of a BSND or TND tensor."""
@@ -179,7 +195,10 @@ class KVSource:
 
     def gather(self, i0: torch.Tensor, i1: torch.Tensor) -> torch.Tensor:
         """Rows at physical addresses -> ``[..., D]`` in the KV dtype (decoded, for packed rows)."""
-        rows = self.tensor[i1, 0] if self.layout == "TND" else self.tensor[i0, i1, 0]
+        if self.tensor.numel() == 0:      # no row at all, so every address is a masked placeholder
+            rows = self.tensor.new_zeros((*i1.shape, self.tensor.size(-1)))
+        else:
+            rows = self.tensor[i1, 0] if self.layout == "TND" else self.tensor[i0, i1, 0]
         return rows if self.decode is None else self.decode(rows)
 
     def scatter_add(self, grad: torch.Tensor, i0, i1, values: torch.Tensor) -> None:
@@ -251,6 +270,8 @@ def kv_source(name: str, kv: torch.Tensor, layout: str, B: int, *, cu: torch.Ten
         if block_table is None:
             fail(table_name, f"is required for the paged layout {PAGED}")
         check_int32(table_name, block_table)
+        if kv.size(1) < 1:
+            fail(name, f"block size (dim 1) must be >= 1 for the paged layout {PAGED}, got shape {tuple(kv.shape)}")
         if block_table.dim() != 2 or block_table.size(0) != B:
             fail(table_name, f"expected shape [B={B}, max_blocks], got {tuple(block_table.shape)}")
         if seqused is None and paged_default is None:

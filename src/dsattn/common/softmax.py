@@ -6,7 +6,13 @@ Conventions (00-overview §8, §9):
   logit per head whose value vector is zero;
 * ``m = max(sink, max_j S_j)``, ``l = exp(sink - m) + sum_j exp(S_j - m)``,
   ``O = sum_j round_q(exp(S_j - m)) v_j / l``, ``lse = m + log(l)`` (includes the sink);
-* rows that see no key produce ``O = 0`` and ``lse = 0``.
+* rows that see no key produce ``O = 0`` and ``lse = 0`` -- also when no row of the call has a
+  key (a zero-width score block: no reduction over an empty axis);
+* infinite sinks take no part in the maximum: a ``-inf`` sink adds ``exp(-inf) = 0`` (no sink),
+  a ``+inf`` sink makes ``l = inf``, so the row gets ``O = 0`` and ``lse = +inf`` (00 §12);
+* a key that no row of the block may see never reaches a product: scores are replaced (not
+  masked by a zero weight) and value rows no valid row selects are replaced by zeros, since
+  ``0 · NaN = NaN`` would let an unread NaN row into valid outputs (00 §8).
 """
 from __future__ import annotations
 
@@ -21,6 +27,27 @@ def round_q(x: torch.Tensor, qdtype: torch.dtype) -> torch.Tensor:
     return x
 
 
+def row_max(s: torch.Tensor) -> torch.Tensor:
+    """Maximum over the last axis; ``-inf`` where the axis is empty (``amax`` raises there)."""
+    if s.size(-1) == 0:
+        return torch.full(s.shape[:-1], float("-inf"), dtype=s.dtype, device=s.device)
+    return s.amax(-1)
+
+
+def finite_sinks(sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The sinks as they enter the row maximum: ``±inf`` sinks are left out of it (``-inf`` is no
+    sink; a ``+inf`` sink enters only the denominator, making it ``inf``: out 0, LSE ``+inf``)."""
+    s = sinks.to(dtype)
+    return torch.where(torch.isfinite(s), s, torch.full((), float("-inf"), dtype=dtype, device=s.device))
+
+
+def stable_max(m: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax's shift: the row maximum joined with the finite sinks, 0 where nothing is finite."""
+    if sinks is not None:
+        m = torch.maximum(m, finite_sinks(sinks, m.dtype))
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
 def softmax_with_sink(s: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor | None):
     """Unnormalised softmax over the last axis with an optional per-head sink.
 
@@ -32,10 +59,7 @@ def softmax_with_sink(s: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor |
     # a fill, not torch.tensor(): a host-to-device copy is not allowed inside CUDA graph capture
     neg_inf = torch.full((), float("-inf"), dtype=s.dtype, device=s.device)
     s = torch.where(mask.unsqueeze(-2), s, neg_inf)
-    m = s.amax(-1)
-    if sinks is not None:
-        m = torch.maximum(m, sinks.to(s.dtype))
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = stable_max(row_max(s), sinks)
     e = torch.exp(s - m.unsqueeze(-1))
     l = e.sum(-1)
     if sinks is not None:
@@ -116,17 +140,19 @@ def attend_branches(scores, masks, values, scale: float, sinks: torch.Tensor | N
     ``("per_row", V [n, W_i, D])``.  Returns ``(out [n, H, D], lse [n, H], has [n, 1])``: rows
     without a key get 0 / 0 and ``has`` False."""
     s = [scale * x.masked_fill(~m[:, None, :], float("-inf")) for x, m in zip(scores, masks)]
-    m_ = torch.stack([x.amax(-1) for x in s]).amax(0)
-    if sinks is not None:
-        m_ = torch.maximum(m_, sinks.to(m_.dtype))
-    m_ = torch.where(torch.isfinite(m_), m_, torch.zeros_like(m_))
+    m_ = stable_max(torch.stack([row_max(x) for x in s]).amax(0), sinks)
     l = torch.zeros_like(m_)
     acc = None
-    for x, (kind, V) in zip(s, values):
+    for x, mask, (kind, V) in zip(s, masks, values):
         e = torch.exp(x - m_[..., None])
         l = l + e.sum(-1)
         pe = round_q(e, qdtype)
-        part = torch.einsum("nhu,ud->nhd", pe, V) if kind == "shared" else torch.einsum("nhw,nwd->nhd", pe, V)
+        if kind == "shared":
+            # a shared key range may hold rows that only padding / invalid rows (or nobody) may see
+            V = V.masked_fill(~mask.any(0)[:, None], 0.0)
+            part = torch.einsum("nhu,ud->nhd", pe, V)
+        else:
+            part = torch.einsum("nhw,nwd->nhd", pe, V)
         acc = part if acc is None else acc + part
     if sinks is not None:
         l = l + torch.exp(sinks.to(m_.dtype) - m_)
@@ -150,23 +176,32 @@ def merge_attention_states(outs, lses, *, sinks=None, valid=None):
         raise ValueError(f"outs: expected a non-empty list matching lses, got {len(outs)} and {len(lses)}")
     if valid is not None and len(valid) != len(outs):
         raise ValueError(f"valid: expected {len(outs)} masks, got {len(valid)}")
-    dtype = outs[0].dtype
+    dtype, shape = outs[0].dtype, tuple(outs[0].shape)
+    if len(shape) < 2:
+        raise ValueError(f"outs: partials must be [..., N, Dv], got shape {shape}")
     for k, (o, l) in enumerate(zip(outs, lses)):
         if o.dtype != dtype:
             raise TypeError(f"outs: partial {k} has dtype {o.dtype}, expected {dtype}")
+        if tuple(o.shape) != shape:
+            raise ValueError(f"outs: partial {k} has shape {tuple(o.shape)}, expected partial 0's {shape}")
         if l.dtype != torch.float32:
             raise TypeError(f"lses: partial {k} has dtype {l.dtype}, expected torch.float32")
         if tuple(o.shape[:-1]) != tuple(l.shape):
             raise ValueError(f"lses: partial {k} has shape {tuple(l.shape)}, expected {tuple(o.shape[:-1])}")
+        if valid is not None and (not isinstance(valid[k], torch.Tensor) or tuple(valid[k].shape) != tuple(l.shape)):
+            raise ValueError(f"valid: mask {k} must be a tensor of shape {tuple(l.shape)}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+            raise TypeError(f"sinks: expected a float32 tensor of shape [N={shape[-2]}]")
+        if tuple(sinks.shape) not in ((shape[-2],), ()) and tuple(sinks.shape) != shape[:-1]:
+            raise ValueError(f"sinks: expected shape [N={shape[-2]}] (one per head), got {tuple(sinks.shape)}")
     lse = torch.stack(lses).float()
     ok = torch.isfinite(lse)
     if valid is not None:
         ok = ok & torch.stack([v.to(torch.bool) for v in valid])
     lse = torch.where(ok, lse, torch.full_like(lse, float("-inf")))
     M = lse.amax(0)
-    if sinks is not None:
-        M = torch.maximum(M, sinks.float())
-    M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
+    M = stable_max(M, sinks.float() if sinks is not None else None)
     w = torch.exp(lse - M)                                       # [P, ..., N], 0 for empty partials
     den = w.sum(0)
     if sinks is not None:

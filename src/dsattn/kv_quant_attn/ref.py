@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..common.checks import host_ints
-from ..common.softmax import round_q
+from ..common.softmax import finite_sinks, round_q
 from ..quant.rows import KV_LORA_RANK, unpack_kv_rows
 from .problem import QsfaProblem, parse_qsfa
 
@@ -66,7 +66,7 @@ def kv_quant_sparse_flash_attention(query, key, value, sparse_indices, scale_val
         s = P.scale * s
         m = s.max(-1).values
         if P.sinks is not None:
-            m = torch.maximum(m, P.sinks)
+            m = torch.maximum(m, finite_sinks(P.sinks, m.dtype))   # +-inf sinks: not in the maximum
         e = torch.exp(s - m[:, None])
         l = e.sum(-1) + (torch.exp(P.sinks - m) if P.sinks is not None else 0)
         out[t] = (round_q(e, query.dtype) @ V) / l[:, None]

@@ -33,6 +33,8 @@ def nope_width(width: int, rope_head_dim: int, tile_size: int = TILE_SIZE) -> in
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:               # an empty tensor may carry stride 0, which view() rejects
+        return torch.empty((*t.shape[:-1], t.size(-1) * t.element_size()), dtype=torch.uint8, device=t.device)
     return t.contiguous().view(torch.uint8)
 
 
@@ -117,12 +119,16 @@ class PackedKV:
                  f"multiple of kv_tile_size={self.tile_size}")
         return row_width(N, self.rope_head_dim, self.tile_size)
 
+    @staticmethod
+    def check_dtype(name: str, kv: torch.Tensor | None) -> None:
+        if kv is not None and kv.dtype not in PAYLOAD_DTYPES:
+            fail(name, f"dtype {kv.dtype} is not supported for a packed cache; expected int8 or float8_e4m3fn",
+                 TypeError)
+
     def check(self, name: str, kv: torch.Tensor | None, D: int) -> None:
         if kv is None:
             return
-        if kv.dtype not in PAYLOAD_DTYPES:
-            fail(name, f"dtype {kv.dtype} is not supported for a packed cache; expected int8 or float8_e4m3fn",
-                 TypeError)
+        self.check_dtype(name, kv)
         if kv.size(-1) != self.width(D):
             fail(name, f"row width {kv.size(-1)} bytes does not match head dim {D} packed with "
                  f"kv_rope_dim={self.rope_head_dim}, kv_tile_size={self.tile_size} (expected {self.width(D)})")

@@ -16,10 +16,13 @@ from ..common.masks import cmp_threshold_t, ori_range_t, sparse_walk_t
 from ..common.softmax import attend_branches
 from .problem import MlaProblem
 
-def _gather_range(src, b, lo: int, hi: int, dtype, check: bool):
-    xs = torch.arange(lo, hi, device=src.tensor.device)
-    i0, i1 = src.locate(b.reshape(1), xs, torch.ones_like(xs, dtype=torch.bool), check=check)
-    return src.gather(i0, i1).to(dtype), xs
+def _gather_range(src, b, xs, mask, dtype, check: bool):
+    """Key rows ``xs`` of batch ``b`` that some row of ``mask [n, len(xs)]`` selects; the others
+    (seen only by padding rows, or by nobody) are not addressed and come back as exact zeros, so
+    neither an unmapped page nor a NaN row they may hold can reach an output (00 §8)."""
+    need = mask.any(0)
+    i0, i1 = src.locate(b.reshape(1), xs, need, check=check)
+    return src.gather(i0, i1).to(dtype).masked_fill_(~need[:, None], 0.0)
 
 
 def block_forward(P: MlaProblem, t0: int, t1: int, b: int, cdt: torch.dtype):
@@ -45,8 +48,9 @@ def block_forward(P: MlaProblem, t0: int, t1: int, b: int, cdt: torch.dtype):
     hi_u = int(torch.where(inb, hi, 0).max())
     scores, values, masks = [], [], []
     if hi_u > lo_u:
-        K, xs = _gather_range(P.ori, bt, lo_u, hi_u, cdt, P.content)
+        xs = torch.arange(lo_u, hi_u, device=dev)
         masks.append(valid[:, None] & (xs[None] >= lo[:, None]) & (xs[None] < hi[:, None]))
+        K = _gather_range(P.ori, bt, xs, masks[-1], cdt, P.content)
         scores.append(torch.einsum("nhd,ud->nhu", q, K))
         values.append(("shared", K))
     if P.cmp is not None:
@@ -55,8 +59,9 @@ def block_forward(P: MlaProblem, t0: int, t1: int, b: int, cdt: torch.dtype):
         if P.cmp_idx is None:
             hi_c = int(torch.where(inb, thr, 0).max())
             if hi_c > 0:
-                K, xs = _gather_range(P.cmp, bt, 0, hi_c, cdt, P.content)
+                xs = torch.arange(hi_c, device=dev)
                 masks.append(valid[:, None] & (xs[None] < thr[:, None]))
+                K = _gather_range(P.cmp, bt, xs, masks[-1], cdt, P.content)
                 scores.append(torch.einsum("nhd,ud->nhu", q, K))
                 values.append(("shared", K))
         else:

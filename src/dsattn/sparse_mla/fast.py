@@ -123,11 +123,13 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
         if P.cmp is not None:
             P.cmp.scatter_add(dcmp, *k.cmp_addr, dK[:, Wo:])
         if sinks is not None:
-            dsinks -= (torch.exp(sinks - lse) * (Pm * dP).sum(-1) * ok[:, None]).sum(0)
+            g = torch.exp(sinks - lse) * (Pm * dP).sum(-1)
+            has_key = (ok & mask.any(-1))[:, None] & torch.isfinite(lse)   # rows with a key and a finite LSE
+            dsinks -= torch.where(has_key, g, torch.zeros((), dtype=cdt, device=dev)).sum(0)
         Pmean = Pm.mean(1)                                              # [r, W]
         if cmp_l1 is not None:                                          # slot s <-> column Wo + s
             cmp_l1[t0:t1, : P.cmp_width] = Pmean[:, Wo:].to(sdt)
-        if ori_l1 is not None:
+        if ori_l1 is not None and Wo > 0:                               # Wo = 0: no ori key, l1 stays 0
             x = P.ori_idx[t0:t1].to(torch.int64)
             walk = (torch.cumsum((x < 0).to(torch.int32), -1) == 0) & ok[:, None]
             col = x - k.ori_x[:, :1]

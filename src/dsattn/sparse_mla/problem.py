@@ -14,7 +14,7 @@ import torch
 from ..common.checks import (check_batch_vector, check_choice, check_dtype, check_float, check_int32,
                              check_same_device, content_checks_enabled, fail, host_ints,
                              stat_dtype)
-from ..common.layout import PAGED, KVSource, QueryRows, kv_source, query_rows
+from ..common.layout import PAGED, KVSource, QueryRows, check_batch_agreement, kv_source, query_rows
 from ..common.masks import cmp_threshold_t, ori_range_t, sparse_walk_t
 
 Q_LAYOUTS = ("BSND", "TND")
@@ -182,6 +182,9 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
     if packed is None:
         check_dtype("ori_kv", ori_kv, q.dtype, "must match q")
         check_dtype("cmp_kv", cmp_kv, q.dtype, "must match q")
+    else:
+        packed.check_dtype("ori_kv", ori_kv)
+        check_dtype("cmp_kv", cmp_kv, ori_kv.dtype, "both packed caches hold one payload type, ori_kv's")
     check_dtype("sinks", sinks, stat_dtype(q))
     for name, t in (("ori_sparse_indices", ori_sparse_indices), ("cmp_sparse_indices", cmp_sparse_indices),
                     ("ori_block_table", ori_block_table), ("cmp_block_table", cmp_block_table),
@@ -219,6 +222,12 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
     check_index_list("cmp_sparse_indices", cmp_sparse_indices, q, layout_q)
     if content is None:
         content = content_checks_enabled(q, cu_seqlens_q)
+    if layout_q == "TND":
+        check_batch_agreement("cu_seqlens_q", cu_seqlens_q, cu_seqlens_ori_kv=(cu_seqlens_ori_kv, 1),
+                              cu_seqlens_cmp_kv=(cu_seqlens_cmp_kv, 1), seqused_q=(seqused_q, 0),
+                              seqused_ori_kv=(seqused_ori_kv, 0), seqused_cmp_kv=(seqused_cmp_kv, 0),
+                              ori_block_table=(ori_block_table, 0), cmp_block_table=(cmp_block_table, 0),
+                              cmp_residual_kv=(cmp_residual_kv, 0))
     rows = query_rows(q, layout_q, cu_seqlens_q, seqused_q, content=content)
     B = rows.B
     paged = layout_kv == PAGED
@@ -276,7 +285,7 @@ def lse_shape(q: torch.Tensor, layout_q: str) -> tuple:
 
 def lse_to_rows(lse: torch.Tensor, rows: QueryRows) -> torch.Tensor:
     """Forward LSE layout -> ``[R, H]``."""
-    return lse.reshape(rows.R, lse.size(-1)) if rows.layout == "TND" else lse[:, 0].reshape(rows.R, -1)
+    return lse.reshape(rows.R, lse.size(-1)) if rows.layout == "TND" else lse[:, 0].reshape(rows.R, lse.size(-1))
 
 
 def lse_from_rows(lse: torch.Tensor, q: torch.Tensor, layout_q: str) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from ..common.checks import host_ints, stat_dtype
 from ..common.masks import cmp_threshold, ori_range, sparse_walk
-from ..common.softmax import round_q
+from ..common.softmax import finite_sinks, round_q
 from .problem import MlaProblem, check_grad_inputs, lse_from_rows, lse_to_rows, parse_mla
 
 
@@ -76,8 +76,8 @@ def sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cm
         K = _key_matrix(P, b, *keys, cdt)                      # [n, D], K = V
         s = P.scale * (qf[t].to(cdt) @ K.T)                    # [H, n]
         m = s.max(-1).values
-        if sinks is not None:
-            m = torch.maximum(m, sinks.to(cdt))
+        if sinks is not None:                                  # a +-inf sink is not in the maximum
+            m = torch.maximum(m, finite_sinks(sinks, cdt))     # (+inf: l = inf, out 0, LSE +inf)
         e = torch.exp(s - m[:, None])
         l = e.sum(-1) + (torch.exp(sinks.to(cdt) - m) if sinks is not None else 0)
         out[t] = (round_q(e, rq) @ K) / l[:, None]
@@ -142,8 +142,9 @@ def sparse_flash_mla_grad(q, dout, attn_out, softmax_lse, *, ori_kv=None, cmp_kv
             add_row(P.ori, dori, b, x, dK[n])
         for n, (_, j) in enumerate(cmp):
             add_row(P.cmp, dcmp, b, j, dK[len(ori) + n])
-        if sinks is not None:
-            dsinks += -torch.exp(sinks.to(cdt) - lse[t]) * (Pm * dP).sum(-1)
+        if sinks is not None:                                   # a head with LSE +inf (+inf sink): none
+            g = -torch.exp(sinks.to(cdt) - lse[t]) * (Pm * dP).sum(-1)
+            dsinks += torch.where(torch.isfinite(lse[t]), g, torch.zeros_like(g))
         Pmean = Pm.mean(0)                                      # head mean, [n]
         if cmp_l1 is not None:
             for n, (s_, _) in enumerate(cmp):
