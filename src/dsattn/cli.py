@@ -1,4 +1,8 @@
-"""Command line: ``dsattn demo``, ``dsattn verify`` and ``dsattn plan``."""
+"""Command line: ``dsattn demo``, ``dsattn verify``, ``dsattn plan`` and ``dsattn bench``.
+
+Bad arguments are one line on stderr naming the argument, exit code 2 (argparse's checks with a
+one-line :class:`_Parser`, value ranges in the types, the planner's own checks translated to
+the flags that carry them)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +11,65 @@ import sys
 import torch
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr, ``dsattn <command>: error: <argument>: <why>``, and
+    exit code 2: never a traceback."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+def _parse_lengths(text: str) -> list[tuple[int, int]]:
+    """``"1:8192,1:65536,2048:4096"`` -> [(q tokens, kv tokens), ...]; ``"N"`` alone means N:N."""
+    out = []
+    for item in text.split(","):
+        q, sep, kv = item.strip().partition(":")
+        try:
+            pair = (int(q), int(kv if sep else q))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected 'q_tokens:kv_tokens' pairs of ints separated by commas, "
+                                             f"got {item.strip()!r} in {text!r}") from None
+        if pair[0] < 0 or pair[1] < 0:
+            raise argparse.ArgumentTypeError(f"token counts must be >= 0, got {item.strip()!r}")
+        out.append(pair)
+    return out
+
+
+def _fuzz(args) -> int:
+    from rich.console import Console
+
+    from .cases import fuzz
+    console = Console()
+    families = [args.family] if args.family else list(fuzz.FAMILIES)
+    seed = args.seed if args.seed is not None else int(torch.randint(0, 2**31 - 10**7, ()).item())
+    failed = 0
+    for fam in families:
+        rep = fuzz.check_seeds(fam, range(seed, seed + args.fuzz))
+        failed += len(rep.failures)
+        status = "[green]pass" if not rep.failures else f"[red]{len(rep.failures)} failing"
+        console.print(f"{fam:>10}: {rep.configs} configurations (seeds {seed}..{seed + args.fuzz - 1}), "
+                      f"{rep.compared} outputs compared: {status}")
+        for line in rep.failures:
+            console.print(f"  {line}", markup=False, highlight=False)
+    return 1 if failed else 0
+
+
 def _verify(args) -> int:
+    if args.fuzz is not None:
+        return _fuzz(args)
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -44,27 +106,32 @@ def _demo(args) -> int:
                                  kv_cache=args.kv_cache) else 1
 
 
-def _parse_lengths(text: str) -> list[tuple[int, int]]:
-    """``"1:8192,1:65536,2048:4096"`` -> [(q tokens, kv tokens), ...]; ``"N"`` alone means N:N."""
-    out = []
-    for item in text.split(","):
-        q, _, kv = item.strip().partition(":")
-        out.append((int(q), int(kv or q)))
-    return out
+# the planner's argument names, as the plan command spells them
+_PLAN_FLAGS = {"aic_core_num": "--cores", "aiv_core_num": "--aiv", "ori_win_left": "--window",
+               "num_heads_q": "--heads", "cmp_topk": "--topk", "seqused_kv": "--lengths", "cu_seqlens_q": "--lengths"}
 
 
 def _plan(args) -> int:
+    try:
+        return _plan_table(args)
+    except (ValueError, TypeError, NotImplementedError) as e:     # the planner's own checks of our values
+        name, sep, why = str(e).partition(": ")
+        print(f"dsattn plan: error: {_PLAN_FLAGS.get(name, name)}{sep}{why}", file=sys.stderr)
+        return 2
+
+
+def _plan_table(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from .planner import report
-    lengths = _parse_lengths(args.lengths) if args.lengths else report.preset(args.preset)
+    lengths = args.lengths if args.lengths is not None else report.preset(args.preset)
     pp, plan = report.build(lengths, args.scenario, args.heads, args.topk, args.cores, args.aiv, args.fd, args.window)
     loads = report.core_loads(pp, plan)
     total = sum(c.cost for c in loads)
     ideal = total / args.cores if total else 0
     console = Console()
-    label = args.lengths or f"preset {args.preset}"
+    label = ",".join(f"{a}:{b}" for a, b in args.lengths) if args.lengths is not None else f"preset {args.preset}"
     table = Table(title=f"dsattn plan: {args.scenario.upper()}, {len(lengths)} requests ({label[:60]}), "
                         f"{args.cores} cores{', split-KV' if args.fd else ''}")
     for col in ("core", "range (bn2, m, s2)", "whole rows", "split pieces", "units", "cost", "share of ideal"):
@@ -78,7 +145,11 @@ def _plan(args) -> int:
                   f"{len({(e[0], e[1]) for e in plan.fd})} on {len(plan.fd)} vector cores, total cost {total}, "
                   f"balance (max core / ideal) [bold]{report.balance(loads, args.cores):.3f}[/bold]")
     if args.plot:
-        report.plot(loads, args.cores, args.plot, f"{args.scenario.upper()} plan, {len(lengths)} requests")
+        try:
+            report.plot(loads, args.cores, args.plot, f"{args.scenario.upper()} plan, {len(lengths)} requests")
+        except OSError as e:
+            print(f"dsattn plan: error: --plot: cannot write {args.plot!r}: {e.strerror or e}", file=sys.stderr)
+            return 2
         console.print(f"wrote {args.plot}")
     return 0
 
@@ -89,19 +160,25 @@ def _bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="dsattn", description="DeepSeek sparse attention operators")
+    parser = _Parser(prog="dsattn", description="DeepSeek sparse attention operators")
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="run the parity matrix against the golden references")
     v.add_argument("--impl", choices=("ops", "facade", "reference"), default="ops",
                    help="implementation under test (default: the registered ops)")
     v.add_argument("--quick", action="store_true", help="fp16/bf16 only, no paged cases")
     v.add_argument("--failures-only", action="store_true", help="list failing comparisons only")
+    v.add_argument("--fuzz", type=_int_at_least(1), metavar="N",
+                   help="instead: N random configurations per operator family against the goldens, every row "
+                        "no valid query may read poisoned (NaN / 0xFF); failures print their reproduction")
+    v.add_argument("--family", choices=("mla", "sharedkv", "packed", "indexer", "kl", "qsfa", "compressor"),
+                   help="with --fuzz: one family only")
+    v.add_argument("--seed", type=_int_at_least(0), help="with --fuzz: the first seed (default: random)")
     v.set_defaults(fn=_verify)
     d = sub.add_parser("demo", help="serving simulation: chunked prefill + decode through SWA/CSA/HCA layers")
-    d.add_argument("--requests", type=int, default=32, help="ragged requests (serving simulation)")
-    d.add_argument("--decode-steps", "--steps", dest="decode_steps", type=int, default=24,
+    d.add_argument("--requests", type=_int_at_least(1), default=32, help="ragged requests (serving simulation)")
+    d.add_argument("--decode-steps", "--steps", dest="decode_steps", type=_int_at_least(0), default=24,
                    help="decode steps after the chunked prefill")
-    d.add_argument("--budget", type=int, default=512, help="tokens per chunked-prefill step")
+    d.add_argument("--budget", type=_int_at_least(1), default=512, help="tokens per chunked-prefill step")
     d.add_argument("--preset", choices=("small", "v4-flash"), default="small",
                    help="layer dimensions: 'small' runs in seconds, 'v4-flash' is the real attention")
     d.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
@@ -110,19 +187,19 @@ def main(argv=None) -> int:
                    help="window / compressed KV caches in the model dtype, or as packed int8 / fp8 rows")
     d.add_argument("--ops", action="store_true",
                    help="instead: one V4-Flash CSA step, each operator's fast path against its golden")
-    d.add_argument("--tokens", type=int, default=384, help="tokens of the --ops step")
+    d.add_argument("--tokens", type=_int_at_least(1), default=384, help="tokens of the --ops step")
     d.set_defaults(fn=_demo)
     p = sub.add_parser("plan", help="build a sparse_attn_sharedkv_metadata plan and show the per-core load")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--lengths", help="per request 'q_tokens:kv_tokens', comma separated (e.g. 1:8192,2048:4096)")
+    src.add_argument("--lengths", type=_parse_lengths, help="per request 'q_tokens:kv_tokens', comma separated (e.g. 1:8192,2048:4096)")
     src.add_argument("--preset", choices=("decode", "mixed", "prefill"), default="decode",
                      help="decode: 32 requests at 8K-128K; mixed: 2 prefill chunks + 24 decodes; prefill: one 32K")
     p.add_argument("--scenario", choices=("swa", "csa", "hca"), default="csa")
-    p.add_argument("--heads", type=int, default=64, help="query heads N1 (V4-Flash 64, V4-Pro 128)")
+    p.add_argument("--heads", type=_int_at_least(1), default=64, help="query heads N1 (V4-Flash 64, V4-Pro 128)")
     p.add_argument("--topk", type=int, choices=(512, 1024), default=None, help="CSA top-k (default 512)")
-    p.add_argument("--window", type=int, default=127, help="ori_win_left")
-    p.add_argument("--cores", type=int, default=24, help="cube cores (aic_core_num, 1..36)")
-    p.add_argument("--aiv", type=int, default=48, help="vector cores (aiv_core_num, 1..72)")
+    p.add_argument("--window", type=_int_at_least(-1), default=127, help="ori_win_left")
+    p.add_argument("--cores", type=_int_at_least(1), default=24, help="cube cores (aic_core_num, 1..36)")
+    p.add_argument("--aiv", type=_int_at_least(1), default=48, help="vector cores (aiv_core_num, 1..72)")
     p.add_argument("--fd", action="store_true", help="allow split-KV (support_fd)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of per-core cost")
     p.set_defaults(fn=_plan)
@@ -133,6 +210,8 @@ def main(argv=None) -> int:
     bn.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
     bn.set_defaults(fn=_bench)
     args = parser.parse_args(argv)
+    if args.command == "verify" and args.fuzz is None and (args.family or args.seed is not None):
+        v.error("--family and --seed go with --fuzz N")
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     return args.fn(args)
 

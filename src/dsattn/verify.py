@@ -25,9 +25,23 @@ class Row:
     result: testing.Comparison
 
 
-def _rule(actual, expected_fp32_golden, expected_f64_golden=None):
+def _rule(actual, expected_fp32_golden, expected_f64_golden=None, abs_floor: float = 1e-12,
+          as_good_as_golden: bool = False):
+    """fp32 against the float64 golden at 1e-5.  ``as_good_as_golden`` (gradients of the fuzz suite,
+    whose random scales make some sums cancel beyond what fp32 resolves to 1e-5): an output that
+    misses it still passes when the fp32 golden misses it too, the output meets the standard rule
+    against that golden and its error against float64 is at most twice the golden's."""
     if actual.dtype == torch.float32 and expected_f64_golden is not None:
-        return testing.fp32_math_close(actual, expected_f64_golden)
+        strict = testing.fp32_math_close(actual, expected_f64_golden, abs_floor=abs_floor)
+        if strict or not as_good_as_golden:
+            return strict
+        own = testing.max_abs_diff(actual, expected_f64_golden)
+        golden = testing.max_abs_diff(expected_fp32_golden, expected_f64_golden)
+        std = testing.standard_close(actual, expected_fp32_golden)
+        ok = std.passed and testing.nonfinite_match(actual, expected_f64_golden) and own <= 2 * golden and not testing.fp32_math_close(expected_fp32_golden,
+                                                                               expected_f64_golden, abs_floor=abs_floor)
+        return testing.Comparison("fp32-as-golden", ok, own, std.fraction,
+                                  f"error vs float64 {own:.3g}, the fp32 golden's {golden:.3g}")
     return testing.compare(actual, expected_fp32_golden)
 
 
@@ -59,7 +73,8 @@ _FACADE = {"sparse_flash_mla": _facade_mla, "sparse_flash_mla_grad": _facade_mla
            "sparse_lightning_indexer_kl_loss_grad": ops.sparse_lightning_indexer_kl_loss_grad}
 
 
-def mla_rows(case: cases.Case, impl: str = "ops", grad: bool = True) -> list[Row]:
+def mla_rows(case: cases.Case, impl: str = "ops", grad: bool = True, grad_abs_floor: float = 1e-12,
+             grad_as_good_as_golden: bool = False) -> list[Row]:
     q, kw = case.q, case.kwargs
     fwd = _impl("sparse_flash_mla", impl)
     o, lse = fwd(q, return_softmax_lse=True, **dict(kw))
@@ -78,7 +93,7 @@ def mla_rows(case: cases.Case, impl: str = "ops", grad: bool = True) -> list[Row
             if q.dtype == torch.float32 else [None] * 6
         for n, a, e, e64 in zip(names, got, want, want64):
             if e.numel():
-                rows.append(Row(case.name, n, _rule(a, e, e64)))
+                rows.append(Row(case.name, n, _rule(a, e, e64, grad_abs_floor, grad_as_good_as_golden)))
     return rows
 
 
@@ -115,6 +130,15 @@ def state_rule(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tenso
     return testing.Comparison("state", same and written.passed, written.max_abs, written.fraction, detail)
 
 
+def _grads(out, leaves, g):
+    """d(out·g)/d(leaves); zeros for leaves the output does not depend on (e.g. a call that emits
+    no complete group, whose output is not connected to any input)."""
+    if not out.requires_grad:
+        return [torch.zeros_like(t) for t in leaves]
+    got = torch.autograd.grad(out, leaves, g, allow_unused=True)
+    return [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, got)]
+
+
 def compressor_rows(case: cases.CompressorCase, impl: str = "ops") -> list[Row]:
     """Output, written state rows, the training gradients and the fused inference output.
     fp32 cases are held to 1e-5 against the golden evaluated in float64."""
@@ -134,9 +158,9 @@ def compressor_rows(case: cases.CompressorCase, impl: str = "ops") -> list[Row]:
     rows = [Row(case.name, "cmp_kv", _rule(out, want, want64)),
             Row(case.name, "state_cache", state_rule(got_args[3], want_state, case.args[3]))]
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
-    got_grads = torch.autograd.grad(out, leaves, g)
-    want_grads = torch.autograd.grad(want, want_leaves, g)
-    grads64 = torch.autograd.grad(want64, leaves64, g) if f64 else [None] * 4
+    got_grads = _grads(out, leaves, g)
+    want_grads = _grads(want, want_leaves, g)
+    grads64 = _grads(want64, leaves64, g) if f64 else [None] * 4
     for n, a, e, e64 in zip(("dx", "dwkv", "dwgate", "dape"), got_grads, want_grads, grads64):
         rows.append(Row(case.name, n, _rule(a, e, e64)))
     inf_args, inf_kw = case.inference_args()

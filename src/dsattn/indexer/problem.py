@@ -7,7 +7,7 @@ import torch
 
 from ..common.checks import (check_batch_vector, check_choice, check_dtype, check_float, check_int32,
                              check_int_range, check_same_device, content_checks_enabled, fail, host_ints)
-from ..common.layout import PAGED, KVSource, QueryRows, kv_source, query_rows
+from ..common.layout import PAGED, KVSource, QueryRows, check_batch_agreement, kv_source, query_rows
 from ..common.masks import indexer_num_valid_t, sparse_walk_t
 
 
@@ -69,6 +69,10 @@ def parse_indexer(q, k, w, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
         fail("w", f"expected the shape of q without its head dim {tuple(q.shape[:-1])}, got {tuple(w.shape)}")
     if content is None:
         content = content_checks_enabled(q, cu_seqlens_q)
+    if layout_q == "TND":
+        check_batch_agreement("cu_seqlens_q", cu_seqlens_q, cu_seqlens_k=(cu_seqlens_k, 1), seqused_q=(seqused_q, 0),
+                              seqused_k=(seqused_k, 0), block_table=(block_table, 0),
+                              cmp_residual_k=(cmp_residual_k, 0))
     rows = query_rows(q, layout_q, cu_seqlens_q, seqused_q, content=content)
     B = rows.B
     src = kv_source("k", k, layout_k, B, cu=cu_seqlens_k, cu_name="cu_seqlens_k", seqused=seqused_k,

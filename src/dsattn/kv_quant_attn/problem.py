@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.checks import (check_choice, check_dtype, check_int32, content_checks_enabled, fail)
+from ..common.checks import check_choice, check_dtype, check_int32, content_checks_enabled, fail, host_ints
 from ..common.layout import PAGED, KVSource, QueryRows, kv_source, query_rows
 from ..quant.block import PAYLOAD_DTYPES
 from ..quant.rows import KV_LORA_RANK, TILE_SIZE, row_width
@@ -144,6 +144,12 @@ def parse_qsfa(query, key, value, sparse_indices, scale_value=1.0, *, key_quant_
         kv = kv_source("key", key, layout, B, cu=None, cu_name="actual_seq_lengths_kv", seqused=actual_seq_lengths_kv,
                        used_name="actual_seq_lengths_kv", block_table=block_table, table_name="block_table",
                        content=content)
+    if layout == PAGED and content:
+        cap = block_table.size(1) * key.size(1)
+        for b, v in enumerate(host_ints(actual_seq_lengths_kv)):
+            if v > cap:
+                fail("actual_seq_lengths_kv", f"value {v} at batch {b} exceeds the paged cache's capacity {cap} "
+                     f"(block_table columns {block_table.size(1)} x block size {key.size(1)})")
     idx = rows.flat(sparse_indices)[:, 0]
     return QsfaProblem(query, rows, kv, idx, float(scale_value), sinks, sparse_block_size, sparse_mode == 3,
                        rope_head_dim)

@@ -89,6 +89,11 @@ class DeepseekV4Attention:
                  max_positions: int = 4096, kv_cache_dtype: torch.dtype | None = None):
         if ratio not in (0, 4, 128):
             raise ValueError(f"ratio: value {ratio} is not one of [0, 4, 128]")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"dtype: {dtype} is not supported; expected torch.float16, torch.bfloat16, "
+                            "torch.float32 or torch.float64")
+        if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+            raise ValueError(f"max_positions: expected an int >= 1, got {max_positions!r}")
         if kv_cache_dtype not in (None, dtype) + PAYLOAD_DTYPES:
             raise TypeError(f"kv_cache_dtype: {kv_cache_dtype} is not supported; expected None (the layer dtype "
                             f"{dtype}), torch.int8 or torch.float8_e4m3fn")
@@ -198,10 +203,25 @@ class DeepseekV4Attention:
         with clock("quantize_kv_rows"):
             return quantize_kv_rows(rows, self.cfg.rope_dim, self.kv_dtype, self.cfg.kv_quant_tile)[:, None]
 
+    def _check_input(self, x, step) -> None:
+        """Shape / dtype checks only (no device read): x is ``[T, hidden]`` in the layer dtype with
+        one row per new token of the step."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a tensor, got {type(x).__name__}")
+        if x.dtype != self.dtype:
+            raise TypeError(f"x: dtype {x.dtype} is not supported; expected the layer dtype {self.dtype}")
+        if x.dim() != 2 or x.size(1) != self.cfg.hidden:
+            raise ValueError(f"x: expected shape [T, hidden={self.cfg.hidden}], got {tuple(x.shape)}")
+        if not isinstance(step, StepInputs):
+            raise TypeError(f"step: expected StepInputs (PagedBatch.step), got {type(step).__name__}")
+        if x.size(0) != step.positions.numel():
+            raise ValueError(f"x: has {x.size(0)} rows but the step has {step.positions.numel()} new tokens")
+
     def forward(self, x: torch.Tensor, step: StepInputs, caches: LayerCaches,
                 timer: dict | None = None) -> torch.Tensor:
         """``timer``: optional dict that accumulates seconds per operator."""
         c, w, r = self.cfg, self.w, self.ratio
+        self._check_input(x, step)
         clock = _Clock(timer)
         T = x.size(0)
         B = step.cu_seqlens_q.numel() - 1
@@ -293,6 +313,11 @@ class PagedBatch:
 
     def __init__(self, cfg: V4AttentionConfig, num_pages: int, max_pages_per_req: int, *,
                  release_old_pages: bool = False):
+        for name, v, lo in (("num_pages", num_pages, 2), ("max_pages_per_req", max_pages_per_req, 1)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+            if v < lo:
+                raise ValueError(f"{name}: must be >= {lo} (page 0 is the reserved dummy page), got {v}")
         self.cfg = cfg
         self.free = list(range(num_pages - 1, 0, -1))
         self.raw_pages: dict = {}
@@ -346,6 +371,14 @@ class PagedBatch:
         nothing."""
         from ..serving import build_cu_seqlens_q_cpu, build_seqused_kv_cpu
         cfg = self.cfg
+        requests, new_tokens = list(requests), list(new_tokens)
+        if len(new_tokens) != len(requests):
+            raise ValueError(f"new_tokens: expected one count per request ({len(requests)}), got {len(new_tokens)}")
+        if len(set(requests)) != len(requests):
+            raise ValueError(f"requests: each request may appear once per step, got {requests}")
+        for rid, n in zip(requests, new_tokens):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"new_tokens: the count of request {rid!r} must be an int >= 0, got {n!r}")
         pad = 0 if pad_to is None else pad_to - len(requests)
         if pad < 0:
             raise ValueError(f"pad_to: {pad_to} is smaller than the {len(requests)} requests of the step")

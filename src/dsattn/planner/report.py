@@ -52,7 +52,7 @@ def build(lengths, scenario="csa", heads=64, topk=None, cores=24, aiv=48, suppor
         cu.append(cu[-1] + s1)
     pp = plan_params(heads, 1, 512, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
                      seqused_kv=torch.tensor([s2 for _, s2 in lengths], dtype=torch.int32), layout_q="TND",
-                     aic_core_num=cores, aiv_core_num=max(aiv, cores) if support_fd else aiv,
+                     aic_core_num=cores, aiv_core_num=aiv,
                      support_fd=support_fd, ori_win_left=window, **sc)
     return pp, fast.plan(pp)
 

@@ -1,5 +1,8 @@
 """Paged-cache plumbing of 60-serving §2 and §8: writing rows by flat slot, and the int32-safe
-last-location lookup."""
+last-location lookup.
+
+Both read device data only in their content checks (on by default, skipped during CUDA graph
+capture, 00 §10): slots, pool indices and prefix lengths out of range are a ``ValueError``."""
 from __future__ import annotations
 
 import torch
@@ -51,6 +54,13 @@ def get_last_loc(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
             fail(name, f"dtype {t.dtype} is not supported; expected int32 or int64", TypeError)
         if t.dim() != 1 or t.size(0) != req_pool_indices.size(0):
             fail(name, f"expected shape [B={req_pool_indices.size(0)}], got {tuple(t.shape)}")
+    if content_checks_enabled(req_to_token, req_pool_indices, prefix_lens):
+        slots, ctx = req_to_token.shape
+        for b, (r, p) in enumerate(zip(host_ints(req_pool_indices), host_ints(prefix_lens))):
+            if not 0 <= r < slots:
+                fail("req_pool_indices", f"value {r} at batch {b} is not a request slot in [0, {slots})")
+            if not 0 <= p <= ctx:
+                fail("prefix_lens", f"value {p} at batch {b} is not in [0, max_context={ctx}]")
     req = req_pool_indices.to(torch.int64)
     pre = prefix_lens.to(torch.int64)
     has = pre > 0

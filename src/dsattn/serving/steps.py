@@ -5,9 +5,21 @@ from __future__ import annotations
 
 import torch
 
-from ..common.checks import fail
+from ..common.checks import content_checks_enabled, fail, host_ints
 
 MODES = ("prefill", "extend", "decode", "verify", "draft_extend")
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _count(arg: str, v, lo: int) -> int:
+    """A host integer argument (batch size, tokens per request) >= ``lo``."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        fail(arg, f"expected an int, got {type(v).__name__}", TypeError)
+    if v < lo:
+        fail(arg, f"must be >= {lo}, got {v}")
+    return v
 
 
 def _cpu_ints(arg: str, t: torch.Tensor) -> torch.Tensor:
@@ -38,13 +50,22 @@ def build_cu_seqlens_q_cpu(mode: str, *, seq_lens_cpu=None, batch_size=None, tok
         lens = _cpu_ints("seq_lens_cpu", lens)
         if lens.dim() != 1 or bool((lens < 0).any()):
             fail("seq_lens_cpu", "expected a 1-D tensor of non-negative new-token counts")
-        return torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lens, 0).to(torch.int32)])
-    if batch_size is None or batch_size < 0:
-        fail("batch_size", f"is required for mode {mode!r} and must be >= 0, got {batch_size}")
+        cu = torch.cumsum(lens.to(torch.int64), 0)
+        if cu.numel() and int(cu[-1]) > INT32_MAX:
+            fail("seq_lens_cpu", f"the total of {int(cu[-1])} new tokens does not fit the int32 cu_seqlens_q")
+        return torch.cat([torch.zeros(1, dtype=torch.int32), cu.to(torch.int32)])
+    if batch_size is None:
+        fail("batch_size", f"is required for mode {mode!r}")
+    _count("batch_size", batch_size, 0)
     if mode == "decode":
+        if batch_size > INT32_MAX:
+            fail("batch_size", f"value {batch_size} does not fit the int32 cu_seqlens_q")
         return torch.arange(0, batch_size + 1, dtype=torch.int32)
-    if tokens_per_req is None or tokens_per_req < 1:
-        fail("tokens_per_req", f"is required for mode {mode!r} and must be >= 1, got {tokens_per_req}")
+    if tokens_per_req is None:
+        fail("tokens_per_req", f"is required for mode {mode!r}")
+    _count("tokens_per_req", tokens_per_req, 1)
+    if batch_size * tokens_per_req > INT32_MAX:
+        fail("batch_size", f"{batch_size} requests x {tokens_per_req} tokens do not fit the int32 cu_seqlens_q")
     return torch.arange(0, batch_size * tokens_per_req + 1, tokens_per_req, dtype=torch.int32)
 
 
@@ -52,6 +73,10 @@ def build_seqused_kv_cpu(final_seq_lens_cpu: torch.Tensor, batch_size: int, *, c
     """CPU int32 ``[batch_size]``: the final per-request KV lengths, clamped to >= ``clamp_min``
     (graph-replay padding requests get one key, the dummy slot)."""
     t = _cpu_ints("final_seq_lens_cpu", final_seq_lens_cpu)
+    _count("batch_size", batch_size, 0)
+    _count("clamp_min", clamp_min, 0)
+    if t.dim() == 1 and t.numel() and (int(t.min()) < 0 or int(t.max()) > INT32_MAX):
+        fail("final_seq_lens_cpu", f"values must be in [0, {INT32_MAX}], got [{int(t.min())}, {int(t.max())}]")
     if t.dim() != 1 or t.size(0) < batch_size:
         fail("final_seq_lens_cpu", f"expected a 1-D tensor with at least batch_size={batch_size} entries, "
              f"got shape {tuple(t.shape)}")
@@ -78,6 +103,38 @@ def compressor_metadata(rope_cos, rope_sin, cu_seqlens, start_pos, kv_block_tabl
     return out_cos, out_sin, out_slots
 
 
+def _check_compressor_metadata(max_positions, cu_seqlens, start_pos, kv_block_table, seqused, bs, r, num_rows):
+    """Content checks (host reads; skipped during graph capture): what the fixed-shape computation
+    would otherwise clamp or wrap silently."""
+    cu, sp = host_ints(cu_seqlens), host_ints(start_pos)
+    if cu[0] != 0:
+        fail("cu_seqlens", f"must start at 0, got {cu[0]}")
+    ext = [cu[b + 1] - cu[b] for b in range(len(cu) - 1)]
+    for b, e in enumerate(ext):
+        if e < 0:
+            fail("cu_seqlens", f"must be non-decreasing, got {cu[b]} then {cu[b + 1]} at batch {b}")
+    su = ext if seqused is None else host_ints(seqused)
+    table = kv_block_table.cpu()
+    total = 0
+    for b, (s, n, e) in enumerate(zip(sp, su, ext)):
+        if s < 0:
+            fail("start_pos", f"value {s} at batch {b} is negative")
+        if not 0 <= n <= e:
+            fail("seqused", f"value {n} at batch {b} is not in [0, {e}] (the batch's rows in cu_seqlens)")
+        first, end = s // r, (s + n) // r                       # compressed entries [first, end) emitted
+        total += end - first
+        if end > first and (end - 1) * r >= max_positions:
+            fail("start_pos", f"batch {b} emits compressed position {(end - 1) * r}, beyond the rope table's "
+                 f"{max_positions} rows")
+        for col in range(first // bs, -(-end // bs)) if end > first else ():
+            if col >= table.size(1) or int(table[b, col]) < 0:
+                entry = "missing" if col >= table.size(1) else int(table[b, col])
+                fail("kv_block_table", f"entry [{b}, {col}] is {entry} but batch {b} writes compressed entries "
+                     f"{max(first, col * bs)}..{min(end, (col + 1) * bs) - 1} there")
+    if total > num_rows:
+        fail("num_rows", f"value {num_rows} is smaller than the {total} compressed rows this call emits")
+
+
 def compressor_metadata_out(rope_cos, rope_sin, cu_seqlens, start_pos, kv_block_table, *, kv_block_size,
                             compress_ratio, num_rows, seqused=None, slot_mapping_format="flat", out_cos,
                             out_sin, out_slot_mapping) -> None:
@@ -91,11 +148,29 @@ def compressor_metadata_out(rope_cos, rope_sin, cu_seqlens, start_pos, kv_block_
                     ("seqused", seqused)):
         if t is not None and t.dtype != torch.int32:
             fail(name, f"dtype {t.dtype} is not supported; expected torch.int32", TypeError)
-    if compress_ratio < 1 or kv_block_size < 1:
-        fail("compress_ratio", f"compress_ratio {compress_ratio} and kv_block_size {kv_block_size} must be >= 1")
+    _count("compress_ratio", compress_ratio, 1)
+    _count("kv_block_size", kv_block_size, 1)
+    _count("num_rows", num_rows, 0)
+    if rope_sin.shape != rope_cos.shape:
+        fail("rope_sin", f"shape {tuple(rope_sin.shape)} does not match rope_cos' {tuple(rope_cos.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        fail("cu_seqlens", f"expected shape [B+1], got {tuple(cu_seqlens.shape)}")
     B = cu_seqlens.numel() - 1
-    if start_pos.shape != (B,) or kv_block_table.dim() != 2 or kv_block_table.size(0) != B:
-        fail("start_pos", f"start_pos [B] and kv_block_table [B, pages] must match cu_seqlens' B={B}")
+    if tuple(start_pos.shape) != (B,):
+        fail("start_pos", f"expected shape [B]=[{B}] (B from cu_seqlens), got {tuple(start_pos.shape)}")
+    if kv_block_table.dim() != 2 or kv_block_table.size(0) != B:
+        fail("kv_block_table", f"expected shape [B={B}, pages], got {tuple(kv_block_table.shape)}")
+    if seqused is not None and tuple(seqused.shape) != (B,):
+        fail("seqused", f"expected shape [B]=[{B}], got {tuple(seqused.shape)}")
+    R_out = rope_cos.size(-1)
+    for name, t, shape in (("out_cos", out_cos, (num_rows, R_out)), ("out_sin", out_sin, (num_rows, R_out)),
+                           ("out_slot_mapping", out_slot_mapping,
+                            (num_rows,) if slot_mapping_format == "flat" else (num_rows, 2))):
+        if tuple(t.shape) != shape:
+            fail(name, f"expected shape {list(shape)}, got {tuple(t.shape)}")
+    if content_checks_enabled(rope_cos, cu_seqlens, start_pos, kv_block_table, seqused):
+        _check_compressor_metadata(rope_cos.size(0), cu_seqlens, start_pos, kv_block_table, seqused,
+                                   kv_block_size, compress_ratio, num_rows)
     dev = rope_cos.device
     r = compress_ratio
     su = (cu_seqlens[1:] - cu_seqlens[:-1]) if seqused is None else seqused
