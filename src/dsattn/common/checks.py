@@ -25,7 +25,9 @@ _content_checks = True
 def set_content_checks(enabled: bool) -> None:
     """Turn the value-reading (content) checks on or off for all operators."""
     global _content_checks
-    _content_checks = bool(enabled)
+    if not isinstance(enabled, bool):
+        fail("enabled", f"expected True or False, got {enabled!r}", TypeError)
+    _content_checks = enabled
 
 
 def content_checks_enabled(*tensors: torch.Tensor | None) -> bool:
@@ -67,6 +69,12 @@ def stat_dtype(q: torch.Tensor) -> torch.dtype:
     """Dtype of statistics, sinks and fp32 outputs: float32, or float64 for float64 queries
     (the gradient-check extension: everything specified as float32 becomes float64)."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def check_tensor(arg: str, t) -> None:
+    """A required tensor argument."""
+    if not isinstance(t, torch.Tensor):
+        fail(arg, f"expected a tensor, got {type(t).__name__}", TypeError)
 
 
 def check_dtype(arg: str, t: torch.Tensor | None, dtype: torch.dtype, why: str = "") -> None:

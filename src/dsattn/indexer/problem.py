@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from ..common.checks import (check_batch_vector, check_choice, check_dtype, check_float, check_int32,
-                             check_int_range, check_same_device, content_checks_enabled, fail, host_ints)
+                             check_int_range, check_same_device, check_tensor, content_checks_enabled, fail,
+                             host_ints)
 from ..common.layout import PAGED, KVSource, QueryRows, check_batch_agreement, kv_source, query_rows
 from ..common.masks import indexer_num_valid_t, sparse_walk_t
 
@@ -90,6 +91,8 @@ def parse_indexer(q, k, w, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
 
 
 def check_index_pair(q, layout_q, sparse_indices, attn_softmax_l1_norm) -> None:
+    check_tensor("sparse_indices", sparse_indices)
+    check_tensor("attn_softmax_l1_norm", attn_softmax_l1_norm)
     check_int32("sparse_indices", sparse_indices)
     check_dtype("attn_softmax_l1_norm", attn_softmax_l1_norm, torch.float32)
     lead = _leading(q, layout_q)

@@ -38,6 +38,9 @@ def _check_dequant(y, scale, tile_size, out_dtype):
         fail("tile_size", f"value {tile_size} must be >= 1 and divide the last dim {y.size(-1)} of y")
     if tuple(scale.shape) != (*y.shape[:-1], y.size(-1) // tile_size):
         fail("scale", f"expected shape {[*y.shape[:-1], y.size(-1) // tile_size]}, got {tuple(scale.shape)}")
+    if out_dtype is not None and out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        fail("out_dtype", f"{out_dtype} is not supported; expected torch.float16, torch.bfloat16 or torch.float32",
+             TypeError)
     return out_dtype or torch.float32
 
 

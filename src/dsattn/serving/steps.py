@@ -91,6 +91,9 @@ def compressor_metadata(rope_cos, rope_sin, cu_seqlens, start_pos, kv_block_tabl
     ("flat": ``page·kv_block_size + offset``) or ``[num_rows, 2]`` ("block_offset").  Padding rows:
     cos 1, sin 0, slot -1 / (-1, kv_block_size - 1).  Fixed shapes, computed on the tensors'
     device without reading them on the host."""
+    _count("num_rows", num_rows, 0)
+    if slot_mapping_format not in ("flat", "block_offset"):
+        fail("slot_mapping_format", f"value {slot_mapping_format!r} is not one of ['flat', 'block_offset']")
     R = rope_cos.size(-1)
     out_cos = torch.empty(num_rows, R, dtype=rope_cos.dtype, device=rope_cos.device)
     out_sin = torch.empty_like(out_cos)
