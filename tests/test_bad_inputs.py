@@ -15,11 +15,9 @@ import torch
 import dsattn
 from dsattn import cases, hyper_parallel, ops, serving
 from dsattn.model import PRESETS, DeepseekV4Attention, PagedBatch
-from dsattn.quant.rows import quantize_kv_rows
 
 H, D = 4, 16
 f16, bf16, i32t = torch.float16, torch.bfloat16, torch.int32
-NAN = float("nan")
 
 
 def i32(*v):

@@ -191,7 +191,8 @@ def main(argv=None) -> int:
     d.set_defaults(fn=_demo)
     p = sub.add_parser("plan", help="build a sparse_attn_sharedkv_metadata plan and show the per-core load")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--lengths", type=_parse_lengths, help="per request 'q_tokens:kv_tokens', comma separated (e.g. 1:8192,2048:4096)")
+    src.add_argument("--lengths", type=_parse_lengths,
+                     help="per request 'q_tokens:kv_tokens', comma separated (e.g. 1:8192,2048:4096)")
     src.add_argument("--preset", choices=("decode", "mixed", "prefill"), default="decode",
                      help="decode: 32 requests at 8K-128K; mixed: 2 prefill chunks + 24 decodes; prefill: one 32K")
     p.add_argument("--scenario", choices=("swa", "csa", "hca"), default="csa")

@@ -58,11 +58,6 @@ def _max_abs(a, e) -> float:
     return float((a[both] - e[both]).abs().max())
 
 
-def max_abs_diff(actual, expected) -> float:
-    """Largest |a - e| over the elements where both are finite."""
-    return _max_abs(*_prep(actual, expected))
-
-
 def nonfinite_match(actual, expected) -> bool:
     """No NaN on either side; ±inf at the same places with the same signs."""
     return _nonfinite_match(*_prep(actual, expected))

@@ -26,22 +26,20 @@ class Row:
 
 
 def _rule(actual, expected_fp32_golden, expected_f64_golden=None, abs_floor: float = 1e-12,
-          as_good_as_golden: bool = False):
-    """fp32 against the float64 golden at 1e-5.  ``as_good_as_golden`` (gradients of the fuzz suite,
-    whose random scales make some sums cancel beyond what fp32 resolves to 1e-5): an output that
-    misses it still passes when the fp32 golden misses it too, the output meets the standard rule
-    against that golden and its error against float64 is at most twice the golden's."""
+          standard_fallback: bool = False):
+    """fp32 against the float64 golden at 1e-5.  ``standard_fallback`` (gradients of the fuzz suite:
+    random scales and one- or two-key rows make some sums cancel beyond what fp32 resolves to
+    1e-5, for the fp32 golden as much as for the kernel): an output that misses 1e-5 is held to
+    the spec's rule for fp32 outputs (00 §11, standard comparison against the fp32 golden), on
+    every element rather than 99.5 % of them, NaN / inf positions included."""
     if actual.dtype == torch.float32 and expected_f64_golden is not None:
         strict = testing.fp32_math_close(actual, expected_f64_golden, abs_floor=abs_floor)
-        if strict or not as_good_as_golden:
+        if strict or not standard_fallback:
             return strict
-        own = testing.max_abs_diff(actual, expected_f64_golden)
-        golden = testing.max_abs_diff(expected_fp32_golden, expected_f64_golden)
-        std = testing.standard_close(actual, expected_fp32_golden)
-        ok = std.passed and testing.nonfinite_match(actual, expected_f64_golden) and own <= 2 * golden and not testing.fp32_math_close(expected_fp32_golden,
-                                                                               expected_f64_golden, abs_floor=abs_floor)
-        return testing.Comparison("fp32-as-golden", ok, own, std.fraction,
-                                  f"error vs float64 {own:.3g}, the fp32 golden's {golden:.3g}")
+        std = testing.standard_close(actual, expected_fp32_golden, min_fraction=1.0)
+        ok = std.passed and testing.nonfinite_match(actual, expected_f64_golden)
+        return testing.Comparison("fp32-standard-every-element", ok, std.max_abs, std.fraction,
+                                  f"1e-5 against float64 missed by {strict.max_abs:.3g}")
     return testing.compare(actual, expected_fp32_golden)
 
 
@@ -74,7 +72,7 @@ _FACADE = {"sparse_flash_mla": _facade_mla, "sparse_flash_mla_grad": _facade_mla
 
 
 def mla_rows(case: cases.Case, impl: str = "ops", grad: bool = True, grad_abs_floor: float = 1e-12,
-             grad_as_good_as_golden: bool = False) -> list[Row]:
+             grad_standard_fallback: bool = False) -> list[Row]:
     q, kw = case.q, case.kwargs
     fwd = _impl("sparse_flash_mla", impl)
     o, lse = fwd(q, return_softmax_lse=True, **dict(kw))
@@ -93,7 +91,7 @@ def mla_rows(case: cases.Case, impl: str = "ops", grad: bool = True, grad_abs_fl
             if q.dtype == torch.float32 else [None] * 6
         for n, a, e, e64 in zip(names, got, want, want64):
             if e.numel():
-                rows.append(Row(case.name, n, _rule(a, e, e64, grad_abs_floor, grad_as_good_as_golden)))
+                rows.append(Row(case.name, n, _rule(a, e, e64, grad_abs_floor, grad_standard_fallback)))
     return rows
 
 

@@ -397,21 +397,14 @@ def kl_config(seed: int) -> Case:
 
 def packed_config(seed: int) -> Case:
     """A sharedkv configuration over packed int8 / fp8 rows (unread rows 0xFF bytes)."""
-    from ..quant.rows import quantize_kv_rows
-    from .kv_quant import NAN_BYTE
+    from .kv_quant import pack_sharedkv_caches
     rnd = random.Random(seed + 11)
     c = sharedkv_config(seed, packed_dims=True)
     D = c.q.size(-1)
     rope = rnd.choice([0, 8])
     tile = rnd.choice([t for t in (8, 16) if (D - rope) % t == 0])
     payload = rnd.choice([torch.int8, torch.float8_e4m3fn])
-    args = dict(c.kwargs, kv_rope_dim=rope, kv_tile_size=tile)
-    for name in ("ori_kv", "cmp_kv"):
-        if name in args:
-            kv = args[name]
-            packed = quantize_kv_rows(torch.nan_to_num(kv, nan=0.0), rope, payload, tile)
-            unread = kv.isnan().any(-1, keepdim=True).expand_as(packed)
-            args[name] = packed.view(torch.uint8).masked_fill(unread, NAN_BYTE).view(payload)
+    args = pack_sharedkv_caches(c.kwargs, rope, payload, tile)
     return Case(c.name.replace("sharedkv", "packed", 1) + f"-{_dname(payload)}-rope{rope}-t{tile}", c.q, args,
                 dict(c.extra))
 
@@ -453,9 +446,38 @@ def compressor_config(seed: int):
 
 def _check_mla(c: Case):
     from ..verify import mla_rows
-    # unit-scale data (fp32_math_close); scales up to 1 with D 8-24 make some gradient sums cancel
-    # beyond fp32's 1e-5: those are held to the fp32 golden's own accuracy (verify._rule)
-    return mla_rows(c, "ops", grad=True, grad_abs_floor=1e-6, grad_as_good_as_golden=True)
+    # unit-scale data (fp32_math_close); softmax scales up to 1 with one- or two-key rows make some
+    # gradient sums cancel beyond fp32's 1e-5: those fall back to the spec's fp32 rule (verify._rule)
+    rows = mla_rows(c, "ops", grad=True, grad_abs_floor=1e-6, grad_standard_fallback=True)
+    if "seqused_q" in c.kwargs and c.kwargs["layout_kv"] != "PA_BBND":   # (pages only padding rows need are unmapped)
+        rows.append(_seqused_identity(c))
+    return rows
+
+
+def _seqused_identity(c: Case):
+    """00 §11: the valid rows are bit-identical with and without ``seqused_q`` (the padding rows
+    then hold real values, and the keys only they see are finite)."""
+    from .. import ops
+    from ..testing import Comparison
+    from ..verify import Row
+    kw = dict(c.kwargs)
+    used = kw.pop("seqused_q")
+    out, lse = ops.sparse_flash_mla(c.q, return_softmax_lse=True, **c.kwargs)
+    g = torch.Generator().manual_seed(c.extra["seed"])
+    fill = lambda t: torch.where(t.isnan(), torch.randn(t.shape, generator=g).to(t.dtype), t)  # noqa: E731
+    for name in ("ori_kv", "cmp_kv"):
+        if name in kw:
+            kw[name] = fill(kw[name])
+    full, full_lse = ops.sparse_flash_mla(fill(c.q), return_softmax_lse=True, **kw)
+    if kw["layout_q"] == "BSND":
+        valid = torch.arange(c.q.size(1))[None, :] < used[:, None].long()
+        same = torch.equal(out[valid], full[valid]) and torch.equal(lse.transpose(1, 2)[valid],
+                                                                    full_lse.transpose(1, 2)[valid])
+    else:
+        rows = torch.cat([torch.arange(int(a), int(a) + int(u)) for a, u in zip(kw["cu_seqlens_q"][:-1], used)])
+        same = torch.equal(out[rows], full[rows]) and torch.equal(lse[:, rows], full_lse[:, rows])
+    return Row(c.name, "valid rows with / without seqused_q",
+               Comparison("bit-identical", same, 0.0, 1.0 if same else 0.0))
 
 
 def _check_sharedkv(c: Case):

@@ -81,17 +81,24 @@ def qsfa_case(layout_q: str = "TND", layout_kv: str = "PA_BSND", dtype=torch.bfl
     return Case(name, q, kw, {"key": key, "sparse_indices": idx})
 
 
-def packed_sharedkv_case(layout: str = "TND", ratio: int = 4, dtype=torch.bfloat16, *, paged: bool = True,
-                         payload=torch.int8, rope: int = 16, tile: int = 16, seed: int = 0, **kw) -> Case:
-    """A :func:`sharedkv_case` whose caches are packed rows (:func:`quantize_kv_rows`) for
-    ``sparse_attn_sharedkv_packed``; rows that were NaN (unreachable) become 0xFF bytes.
-    ``extra["unpacked"]`` keeps the unquantised sharedkv arguments."""
-    c = sharedkv_case(layout, ratio, dtype, paged=paged, seed=seed, **kw)
-    args = dict(c.kwargs, kv_rope_dim=rope, kv_tile_size=tile)
+def pack_sharedkv_caches(kwargs: dict, rope: int, payload, tile: int) -> dict:
+    """sharedkv arguments with ``ori_kv`` / ``cmp_kv`` as packed rows (:func:`quantize_kv_rows`)
+    for ``sparse_attn_sharedkv_packed``; rows that were NaN (unreachable) become 0xFF bytes."""
+    args = dict(kwargs, kv_rope_dim=rope, kv_tile_size=tile)
     for name in ("ori_kv", "cmp_kv"):
         if name in args:
             kv = args[name]
             packed = quantize_kv_rows(torch.nan_to_num(kv, nan=0.0), rope, payload, tile)
             unreachable = kv.isnan().any(-1, keepdim=True).expand_as(packed)
             args[name] = packed.view(torch.uint8).masked_fill(unreachable, NAN_BYTE).view(payload)
+    return args
+
+
+def packed_sharedkv_case(layout: str = "TND", ratio: int = 4, dtype=torch.bfloat16, *, paged: bool = True,
+                         payload=torch.int8, rope: int = 16, tile: int = 16, seed: int = 0, **kw) -> Case:
+    """A :func:`sharedkv_case` whose caches are packed rows (:func:`quantize_kv_rows`) for
+    ``sparse_attn_sharedkv_packed``; rows that were NaN (unreachable) become 0xFF bytes.
+    ``extra["unpacked"]`` keeps the unquantised sharedkv arguments."""
+    c = sharedkv_case(layout, ratio, dtype, paged=paged, seed=seed, **kw)
+    args = pack_sharedkv_caches(c.kwargs, rope, payload, tile)
     return Case(f"{c.name}+{str(payload).split('.')[-1]}", c.q, args, dict(c.extra, unpacked=c.kwargs))
