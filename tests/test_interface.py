@@ -66,7 +66,8 @@ SCHEMAS["sparse_attn_sharedkv"] = [
     ("seqused_q", K, None), ("seqused_kv", K, None), ("sinks", K, None), ("metadata", K, None),
     ("softmax_scale", K, 0.0), ("cmp_ratio", K, 0), ("ori_mask_mode", K, 4), ("cmp_mask_mode", K, 3),
     ("ori_win_left", K, 127), ("ori_win_right", K, 0), ("layout_q", K, "BSND"), ("layout_kv", K, "PA_ND"),
-    ("return_softmax_lse", K, False)]
+    ("return_softmax_lse", K, False),
+    ("cmp_topk_length", K, None)]                 # library extension (20 §2.8), after the CANN arguments
 SCHEMAS["sparse_attn_sharedkv_packed"] = SCHEMAS["sparse_attn_sharedkv"] + [("kv_rope_dim", K, 64),
                                                                              ("kv_tile_size", K, 64)]
 SCHEMAS["sparse_attn_sharedkv_metadata"] = [

@@ -4,7 +4,8 @@ infinite sinks (00 §12: ``+inf`` -> out 0, LSE ``+inf``; ``-inf`` = no sink).""
 import pytest
 import torch
 
-from dsattn import ops, reference, testing
+from dsattn import ops, reference, testing, verify
+from dsattn.cases import no_key_case
 from dsattn.cases.kv_quant import NAN_BYTE
 from dsattn.quant.rows import quantize_kv_rows
 
@@ -33,63 +34,24 @@ def test_keys_seen_only_by_padding_rows_do_not_leak():
     assert torch.equal(out[0, :12], full[0, :12]) and torch.equal(lse[0, :, :12], full_lse[0, :, :12])
 
 
-def _no_key_call(layout, paged, ratio, om, dtype, S1=5):
-    """Three batches, every key length 0, ragged queries, NaN caches."""
-    H, D, B = 2, 16, 3
-    kw = dict(ori_mask_mode=om, ori_win_left=3, ori_win_right=0, sinks=torch.randn(H), softmax_scale=0.25,
-              layout_q=layout)
-    if layout == "BSND":
-        q = torch.randn(B, S1, H, D).to(dtype)
-    else:
-        q = torch.randn(2 + S1 + 1, H, D).to(dtype)
-        kw["cu_seqlens_q"] = i32(0, 2, 2 + S1, 2 + S1 + 1)
-    if paged:
-        kw.update(layout_kv="PA_BBND", ori_kv=torch.full((2, 4, 1, D), NAN, dtype=dtype),
-                  ori_block_table=torch.full((B, 2), -1, dtype=torch.int32), seqused_ori_kv=i32(0, 0, 0))
-    elif layout == "BSND":
-        kw.update(layout_kv="BSND", ori_kv=torch.full((B, 0, 1, D), NAN, dtype=dtype))
-    else:
-        kw.update(layout_kv="TND", ori_kv=torch.full((3, 1, D), NAN, dtype=dtype), cu_seqlens_ori_kv=i32(0, 0, 0, 0))
-    if ratio > 1:
-        kw.update(cmp_ratio=ratio, cmp_mask_mode=3)
-        if paged:
-            kw.update(cmp_kv=torch.full((2, 4, 1, D), NAN, dtype=dtype),
-                      cmp_block_table=torch.full((B, 2), -1, dtype=torch.int32))
-        elif layout == "BSND":
-            kw["cmp_kv"] = torch.full((B, 0, 1, D), NAN, dtype=dtype)
-        else:
-            kw.update(cmp_kv=torch.full((2, 1, D), NAN, dtype=dtype), cu_seqlens_cmp_kv=i32(0, 0, 0, 0))
-        if ratio == 4:
-            shape = (*q.shape[:-2], 1, 6)
-            kw["cmp_sparse_indices"] = torch.randint(-1, 3, shape, dtype=torch.int32)
-    return q, kw
-
-
 CALLS = [(lay, paged, r, om) for lay in ("BSND", "TND") for paged in (False, True) for r in (1, 4, 128)
          for om in (0, 3, 4)]
 
 
 @pytest.mark.parametrize("layout,paged,ratio,om", CALLS)
 def test_no_row_has_a_key(layout, paged, ratio, om):
-    """00 §9 / §12: out 0 and LSE 0 for every row, never an exception (issue 12 item 1)."""
-    q, kw = _no_key_call(layout, paged, ratio, om, torch.bfloat16)
-    out, lse = ops.sparse_flash_mla(q, return_softmax_lse=True, **kw)
-    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, torch.zeros_like(lse))
-    gout, glse = reference.sparse_flash_mla(q, return_softmax_lse=True, **kw)
-    assert torch.equal(gout, out) and torch.equal(glse, lse)
-    if not paged:                                               # the gradient has no paged layout
-        q32, kw32 = _no_key_call(layout, paged, ratio, om, torch.float32)
-        kw32["ori_sparse_indices"] = torch.randint(-1, 4, (*q32.shape[:-2], 1, 3), dtype=torch.int32)
-        o, l = ops.sparse_flash_mla(q32, return_softmax_lse=True, **kw32)
-        grads = ops.sparse_flash_mla_grad(q32, torch.randn_like(q32), o, l, **kw32)
-        for g in grads:
-            assert not g.isnan().any() and torch.equal(g, torch.zeros_like(g))
+    """00 §9 / §12: out 0 and LSE 0 for every row, gradients 0, never an exception (issue 12 item 1);
+    the same check ``dsattn verify`` runs."""
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = verify.no_key_rows(no_key_case(layout, paged, ratio, om, dtype))
+        assert rows and all(r.result.passed for r in rows), [(r.output, str(r.result)) for r in rows]
 
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("ratio", [1, 4, 128])
 def test_no_row_has_a_key_sharedkv(ratio, packed):
-    q, kw = _no_key_call("TND", True, ratio, 4, torch.bfloat16)
+    c = no_key_case("TND", True, ratio, 4, torch.bfloat16)
+    q, kw = c.q, c.kwargs
     args = dict(ori_kv=kw["ori_kv"], ori_block_table=kw["ori_block_table"], cu_seqlens_q=kw["cu_seqlens_q"],
                 seqused_kv=kw["seqused_ori_kv"], sinks=kw["sinks"], layout_q="TND", layout_kv="PA_ND")
     if ratio > 1:

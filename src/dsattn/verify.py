@@ -95,6 +95,26 @@ def mla_rows(case: cases.Case, impl: str = "ops", grad: bool = True, grad_abs_fl
     return rows
 
 
+def no_key_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
+    """A call in which no row has a key (00 §9 / §12): out 0 and LSE 0 from the op and the golden,
+    and (non-paged) every gradient output 0 -- never an exception."""
+    q, kw = case.q, case.kwargs
+    out, lse = _impl("sparse_flash_mla", impl)(q, return_softmax_lse=True, **dict(kw))
+    gout, glse = reference.sparse_flash_mla(q, return_softmax_lse=True, **kw)
+    outs = [("attn_out", out, gout), ("softmax_lse", lse, glse)]
+    if kw["layout_kv"] != "PA_BBND":
+        grad_kw = dict(kw, ori_sparse_indices=torch.randint(-1, 4, (*q.shape[:-2], 1, 3), dtype=torch.int32))
+        got = _impl("sparse_flash_mla_grad", impl)(q, case.extra["dout"], out, lse, **grad_kw)
+        want = reference.sparse_flash_mla_grad(q, case.extra["dout"], gout, glse, **grad_kw)
+        outs += [(n, a, e) for n, a, e in zip(("dq", "dori_kv", "dcmp_kv", "dsinks", "ori_l1", "cmp_l1"), got, want)]
+    rows = []
+    for name, a, e in outs:
+        zero = torch.equal(a, torch.zeros_like(a)) and torch.equal(e, torch.zeros_like(e))
+        rows.append(Row(case.name, name, testing.Comparison("exact zero", zero, float(a.float().abs().max())
+                                                            if a.numel() else 0.0, 1.0 if zero else 0.0)))
+    return rows
+
+
 def indexer_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
     k, w, topk = case.extra["k"], case.extra["w"], case.extra["topk"]
     idx, val = _impl("lightning_indexer", impl)(case.q, k, w, topk, **case.kwargs)
@@ -263,6 +283,12 @@ def matrix(impl: str = "ops", quick: bool = False, progress: Callable | None = N
                                 mla_rows(cases.mla_case(layout, r, dt, paged=True, seed=seed + 1), impl))
                     jobs.append(lambda layout=layout, r=r, dt=dt, seed=seed:
                                 indexer_rows(cases.indexer_case(layout, r, dt, paged=True, seed=seed + 1), impl))
+    for layout in ("BSND", "TND"):                                      # calls in which no row has a key
+        for paged in ((False,) if impl == "facade" else (False, True)):
+            for r in RATIOS:
+                for om in (0, 3, 4):
+                    jobs.append(lambda layout=layout, paged=paged, r=r, om=om: no_key_rows(
+                        cases.no_key_case(layout, paged, r, om, torch.bfloat16), impl))
     if impl != "facade":                                                 # the npu_* interface has neither
         jobs += [lambda c=c: compressor_rows(c, impl) for c in compressor_cases(dtypes)]
         jobs += [lambda c=c: qsfa_rows(c, impl) for c in qsfa_cases(quick)]

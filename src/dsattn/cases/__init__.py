@@ -5,6 +5,7 @@ Inputs are drawn fresh from a seeded generator (never zeros); lengths are ragged
 tensor row that no length, window, table or index can reach is filled with NaN, so a stray
 read shows up as a NaN in the output.
 """
-from .attention import NAN, SCENARIOS, Case, indexer_case, kl_case, mla_case, sharedkv_case, sharedkv_plan  # noqa: F401
+from .attention import (NAN, SCENARIOS, Case, indexer_case, kl_case, mla_case, no_key_case,  # noqa: F401
+                        sharedkv_case, sharedkv_plan)
 from .compressor import CompressorCase, compressor_case  # noqa: F401
 from .kv_quant import packed_sharedkv_case, qsfa_case  # noqa: F401

@@ -23,6 +23,10 @@ class Case:
     extra: dict = field(default_factory=dict)
 
 
+def _i32(*v) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.int32)
+
+
 def _randn(g, *shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
@@ -258,3 +262,38 @@ def sharedkv_plan(case: Case, ratio: int, cores: int, split_kv: bool) -> torch.T
         batch_size=q.size(0) if bsnd else 0, max_seqlen_q=q.size(1) if bsnd else 0, layout_q=kw["layout_q"],
         has_cmp_kv=ratio > 1, cmp_ratio=ratio if ratio > 1 else -1, cmp_topk=512 if ratio == 4 else 0,
         ori_win_left=kw["ori_win_left"], aic_core_num=cores, aiv_core_num=max(cores, 8), support_fd=split_kv)
+
+
+def no_key_case(layout: str, paged: bool, ratio: int, om: int, dtype, S1: int = 5) -> Case:
+    """A sparse_flash_mla call in which no row has a key: three batches, every key length 0, ragged
+    queries, NaN caches (00 §9 / §12: out 0, LSE 0, gradients 0, never an exception)."""
+    H, D, B = 2, 16, 3
+    kw = dict(ori_mask_mode=om, ori_win_left=3, ori_win_right=0, sinks=torch.randn(H), softmax_scale=0.25,
+              layout_q=layout)
+    if layout == "BSND":
+        q = torch.randn(B, S1, H, D).to(dtype)
+    else:
+        q = torch.randn(2 + S1 + 1, H, D).to(dtype)
+        kw["cu_seqlens_q"] = _i32(0, 2, 2 + S1, 2 + S1 + 1)
+    if paged:
+        kw.update(layout_kv="PA_BBND", ori_kv=torch.full((2, 4, 1, D), NAN, dtype=dtype),
+                  ori_block_table=torch.full((B, 2), -1, dtype=torch.int32), seqused_ori_kv=_i32(0, 0, 0))
+    elif layout == "BSND":
+        kw.update(layout_kv="BSND", ori_kv=torch.full((B, 0, 1, D), NAN, dtype=dtype))
+    else:
+        kw.update(layout_kv="TND", ori_kv=torch.full((3, 1, D), NAN, dtype=dtype),
+                  cu_seqlens_ori_kv=_i32(0, 0, 0, 0))
+    if ratio > 1:
+        kw.update(cmp_ratio=ratio, cmp_mask_mode=3)
+        if paged:
+            kw.update(cmp_kv=torch.full((2, 4, 1, D), NAN, dtype=dtype),
+                      cmp_block_table=torch.full((B, 2), -1, dtype=torch.int32))
+        elif layout == "BSND":
+            kw["cmp_kv"] = torch.full((B, 0, 1, D), NAN, dtype=dtype)
+        else:
+            kw.update(cmp_kv=torch.full((2, 1, D), NAN, dtype=dtype), cu_seqlens_cmp_kv=_i32(0, 0, 0, 0))
+        if ratio == 4:
+            shape = (*q.shape[:-2], 1, 6)
+            kw["cmp_sparse_indices"] = torch.randint(-1, 3, shape, dtype=torch.int32)
+    name = f"no-key-{layout}{'+PA' if paged else ''}-r{ratio}-om{om}-{str(dtype).split('.')[-1]}"
+    return Case(name, q, kw, {"dout": torch.randn(q.shape).to(dtype)})

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from ..common.masks import cmp_threshold, indexer_num_valid, ori_range, sparse_walk
-from .attention import NAN, Case
+from .attention import NAN, Case, _i32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -42,10 +42,6 @@ class Names:
 ORI = Names("ori_kv", "ori_block_table", "seqused_ori_kv", "cu_seqlens_ori_kv")
 CMP = Names("cmp_kv", "cmp_block_table", "seqused_cmp_kv", "cu_seqlens_cmp_kv")
 IDX_K = Names("k", "block_table", "seqused_k", "cu_seqlens_k")
-
-
-def _i32(v) -> torch.Tensor:
-    return torch.tensor(v, dtype=torch.int32)
 
 
 def _dname(dtype) -> str:
@@ -99,7 +95,7 @@ def place_kv(kw, names: Names, rnd, per_batch, lengths, needed, layout, *, expli
     if layout == "PA_BBND":
         kw[names.kv], kw[names.table] = _paged(rnd, per_batch, lengths, needed, rnd.choice([1, 2, 4, 16]))
         if explicit_lengths:
-            kw[names.used] = _i32(lengths)
+            kw[names.used] = _i32(*lengths)
         return lengths
     pad = [rnd.randint(0, 2) if explicit_lengths else 0 for _ in range(B)]
     if layout == "BSND":
@@ -118,10 +114,10 @@ def place_kv(kw, names: Names, rnd, per_batch, lengths, needed, layout, *, expli
             cu.append(cu[-1] + n + p)
         parts.append(torch.full((rnd.randint(0, 2), 1, D), NAN, dtype=dtype))
         t = torch.cat(parts)
-        kw[names.cu] = _i32(cu)
+        kw[names.cu] = _i32(*cu)
     kw[names.kv] = t
     if explicit_lengths:
-        kw[names.used] = _i32(lengths)
+        kw[names.used] = _i32(*lengths)
     return lengths
 
 
@@ -137,7 +133,7 @@ def place_queries(rnd, g, B, H, D, dtype, layout, *, scale=1.0, padding=True):
     used = list(ext)
     if padding and rnd.random() < 0.5:
         used = [rnd.randint(0, e) if rnd.random() < 0.7 else e for e in ext]
-        kw["seqused_q"] = _i32(used)
+        kw["seqused_q"] = _i32(*used)
     rows = []
     for e, u in zip(ext, used):
         x = torch.full((e, H, D), NAN)
@@ -153,7 +149,7 @@ def place_queries(rnd, g, B, H, D, dtype, layout, *, scale=1.0, padding=True):
         cu = [0]
         for e in ext:
             cu.append(cu[-1] + e)
-        kw["cu_seqlens_q"] = _i32(cu)
+        kw["cu_seqlens_q"] = _i32(*cu)
     return q.to(dtype), kw, ext, used
 
 
@@ -190,6 +186,22 @@ def pack_lists(per_batch, layout, q, K):
         out[n: n + x.size(0)] = x
         n += x.size(0)
     return out
+
+
+def _topk_length_tensor(caps, per_row: bool, layout: str, q, K: int) -> torch.Tensor:
+    """``cmp_topk_length`` ``[B]`` (every row of a request shares its cap) or one per query row
+    (``[B, S1]`` / ``[T]``; padding and tail rows get random legal values)."""
+    if not per_row:
+        return _i32(*[c[0] if c else 0 for c in caps])
+    flat = torch.randint(0, K + 1, q.shape[:2] if layout == "BSND" else q.shape[:1], dtype=torch.int32)
+    n = 0
+    for b, c in enumerate(caps):
+        if layout == "BSND":
+            flat[b, : len(c)] = _i32(*c) if c else flat[b, :0]
+        else:
+            flat[n: n + len(c)] = _i32(*c) if c else flat[n:n]
+            n += len(c)
+    return flat
 
 
 def _sinks(rnd, g, H):
@@ -248,7 +260,7 @@ def mla_config(seed: int, *, sharedkv: bool = False, packed_dims: bool = False, 
     explicit_o = paged or sharedkv or rnd.random() < 0.75
     if layout_kv == "BSND" and not explicit_o:
         S2o = [max(S2o)] * B
-    S2c, Lc, lists, K = None, S2o, None, 0
+    S2c, Lc, lists, K, topk_len, per_row = None, S2o, None, 0, None, False
     if r > 1:
         explicit_c = not sharedkv and rnd.random() < 0.6
         if sharedkv or (paged and not explicit_c):
@@ -261,11 +273,16 @@ def mla_config(seed: int, *, sharedkv: bool = False, packed_dims: bool = False, 
             S2c = [0] * B
         if not sharedkv and rnd.random() < 0.5:
             resid = [rnd.randint(0, r - 1) for _ in range(B)]
-            kw["cmp_residual_kv"] = _i32(resid)
+            kw["cmp_residual_kv"] = _i32(*resid)
             Lc = [c * r + x for c, x in zip(S2c, resid)]
         if sparse:
             K = 512 if plannable else rnd.randint(1, 12)
             lists = index_lists(rnd, g, ext, K, S2c)
+            if rnd.random() < 0.3:                         # 20 §2.8: per request or per row, 0..K
+                per_row = rnd.random() < 0.5
+                caps = [[rnd.randint(0, K)] * e if not per_row else [rnd.randint(0, K) for _ in range(e)]
+                        for e in ext]
+                topk_len = caps
     # which key rows a valid row may read (the scalar rules of 20 §1.2)
     need_o = [set() for _ in range(B)]
     need_c = [set() for _ in range(B)]
@@ -281,7 +298,8 @@ def mla_config(seed: int, *, sharedkv: bool = False, packed_dims: bool = False, 
                 if lists is None:
                     need_c[b].update(range(thr))
                 else:
-                    need_c[b].update(j for _, j in sparse_walk(lists[b][i, 0].tolist(), thr, thr))
+                    limit = thr if topk_len is None else min(thr, topk_len[b][i])
+                    need_c[b].update(j for _, j in sparse_walk(lists[b][i, 0].tolist(), limit, thr))
     place_kv(kw, ORI, rnd, _rows(g, S2o, need_o, D, dtype), S2o, need_o, layout_kv, explicit_lengths=explicit_o)
     if r > 1:
         kw["cmp_ratio"], kw["cmp_mask_mode"] = r, cm
@@ -291,6 +309,8 @@ def mla_config(seed: int, *, sharedkv: bool = False, packed_dims: bool = False, 
             kw.pop(CMP.used, None)                         # sharedkv derives S2c = floor(S2o / r)
         if lists is not None:
             kw["cmp_sparse_indices"] = pack_lists(lists, layout, q, K)
+        if topk_len is not None:
+            kw["cmp_topk_length"] = _topk_length_tensor(topk_len, per_row, layout, q, K)
     if not sharedkv and rnd.random() < 0.3:
         Ko = rnd.randint(1, 6)
         kw["ori_sparse_indices"] = pack_lists(index_lists(rnd, g, ext, Ko, [max(S2o + [0])] * B), layout, q, Ko)
@@ -342,7 +362,7 @@ def indexer_config(seed: int) -> Case:
     Kc = [0 if rnd.random() < 0.1 else rnd.randint(1, 300 // r if r == 128 else 30) for _ in range(B)]
     resid = [rnd.randint(0, r - 1) for _ in range(B)]
     if rnd.random() < 0.6:
-        kw["cmp_residual_k"] = _i32(resid)
+        kw["cmp_residual_k"] = _i32(*resid)
     else:
         resid = [0] * B
     lay_k = "PA_BBND" if paged else layout

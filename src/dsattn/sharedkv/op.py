@@ -29,12 +29,14 @@ SHAREDKV_SCHEMA = (
     "Tensor? seqused_q=None, Tensor? seqused_kv=None, Tensor? sinks=None, Tensor? metadata=None, "
     "float softmax_scale=0.0, int cmp_ratio=0, int ori_mask_mode=4, int cmp_mask_mode=3, "
     'int ori_win_left=127, int ori_win_right=0, str layout_q="BSND", str layout_kv="PA_ND", '
-    "bool return_softmax_lse=False) -> (Tensor, Tensor)")
+    "bool return_softmax_lse=False, Tensor? cmp_topk_length=None) -> (Tensor, Tensor)")
+# ``cmp_topk_length`` (last, keyword-only) is a library extension of the CANN schema: the per-request or
+# per-row cap of the compressed walk of sparse_flash_mla (20 §2.8), for FlashMLA's ``topk_length``.
 
 # Library extension (not a CANN operator): the same call over packed int8 / float8_e4m3fn caches.
 # The CANN DSV4 quantised shared-KV kernel (640-byte rows) is a different packing (00 §2).
 PACKED_SCHEMA = SHAREDKV_SCHEMA.replace("sparse_attn_sharedkv(", "sparse_attn_sharedkv_packed(").replace(
-    "bool return_softmax_lse=False)", "bool return_softmax_lse=False, int kv_rope_dim=64, int kv_tile_size=64)")
+    "Tensor? cmp_topk_length=None)", "Tensor? cmp_topk_length=None, int kv_rope_dim=64, int kv_tile_size=64)")
 
 METADATA_SCHEMA = (
     "sparse_attn_sharedkv_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, "

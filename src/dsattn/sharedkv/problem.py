@@ -37,7 +37,8 @@ def mla_arguments(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_s
                   ori_block_table=None, cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
                   cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, sinks=None, metadata=None,
                   softmax_scale=0.0, cmp_ratio=0, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=127,
-                  ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", return_softmax_lse=False) -> dict:
+                  ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", return_softmax_lse=False,
+                  cmp_topk_length=None) -> dict:
     """The ``sparse_flash_mla`` arguments of a ``sparse_attn_sharedkv`` call (20 §4.2: the same
     math), after the checks that only the sharedkv signature needs."""
     if return_softmax_lse:
@@ -82,7 +83,7 @@ def mla_arguments(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_s
     kw = dict(ori_kv=ori_kv, cmp_kv=cmp_kv, cmp_sparse_indices=cmp_sparse_indices, cu_seqlens_q=cu_seqlens_q,
               seqused_ori_kv=s2o, sinks=sinks, cmp_ratio=r, ori_mask_mode=ori_mask_mode,
               cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left, ori_win_right=ori_win_right,
-              layout_q=layout_q, layout_kv=KV_LAYOUTS[layout_kv],
+              layout_q=layout_q, layout_kv=KV_LAYOUTS[layout_kv], cmp_topk_length=cmp_topk_length,
               softmax_scale=softmax_scale if softmax_scale != 0.0 else 1.0 / math.sqrt(q.size(-1)))
     if layout_kv == "TND":
         kw["cu_seqlens_ori_kv"] = cu_seqlens_ori_kv

@@ -66,7 +66,7 @@ def block_forward(P: MlaProblem, t0: int, t1: int, b: int, cdt: torch.dtype):
                 values.append(("shared", K))
         else:
             cx = P.cmp_idx[t0:t1, :P.cmp_width].to(torch.int64)
-            cm = sparse_walk_t(cx, thr, thr) & valid[:, None]
+            cm = sparse_walk_t(cx, P.walk_limit(thr, t0, t1), thr) & valid[:, None]
             i0, i1 = P.cmp.locate(bt.expand(n)[:, None], cx, cm, check=P.content)
             K = P.cmp.gather(i0, i1).to(cdt)
             K.masked_fill_(~cm[..., None], 0.0)                     # unselected slots may hold NaN

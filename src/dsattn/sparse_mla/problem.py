@@ -57,6 +57,7 @@ class MlaProblem:
     wl: int
     wr: int
     content: bool
+    cmp_len: torch.Tensor | None = None  # [R] int64 cap of the compressed walk (cmp_topk_length), or None
 
     @property
     def positional(self) -> bool:
@@ -77,6 +78,11 @@ class MlaProblem:
             return self.cmp.capacity
         # The walk examines at most min(K, thr) slots and thr <= S2c, so later slots never count.
         return min(self.cmp_idx.size(1), self.cmp.capacity)
+
+    def walk_limit(self, thr: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+        """Slots the compressed walk of rows ``[t0, t1)`` examines: ``min(thr, cmp_topk_length)``
+        (K is the list's own width)."""
+        return thr if self.cmp_len is None else torch.minimum(thr, self.cmp_len[t0:t1])
 
     def keys(self, t0: int, t1: int) -> RowKeys:
         """Vectorised key selection (§1.2) for flattened query rows ``[t0, t1)``."""
@@ -102,7 +108,7 @@ class MlaProblem:
             cm = cx < thr[:, None]
         else:
             cx = self.cmp_idx[t0:t1, : self.cmp_width].to(torch.int64)
-            cm = sparse_walk_t(cx, thr, thr)
+            cm = sparse_walk_t(cx, self.walk_limit(thr, t0, t1), thr)
         cm = cm & valid[:, None]
         caddr = self.cmp.locate(b[:, None], cx, cm, check=self.content)
         return RowKeys(valid, ox, om, oaddr, cx, cm, caddr)
@@ -170,9 +176,9 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
     check_choice("topk_value_mode", topk_value_mode, (0, 1, 2))
     if topk_value_mode == 2:
         fail("topk_value_mode", "value 2 is not supported (0 and 1 are)", NotImplementedError)
-    for name, t in (("ori_topk_length", ori_topk_length), ("cmp_topk_length", cmp_topk_length)):
-        if t is not None:
-            fail(name, "per-query list lengths are not supported; pass None", NotImplementedError)
+    if ori_topk_length is not None:
+        fail("ori_topk_length", "is not supported (the ori branch is positional: band / causal); pass None",
+             NotImplementedError)
     if cmp_kv is not None and not (1 <= cmp_ratio <= 128):
         fail("cmp_ratio", f"value {cmp_ratio} is not in [1, 128]")
     # -- tensors: dtypes
@@ -191,11 +197,12 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
                     ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_ori_kv", cu_seqlens_ori_kv),
                     ("cu_seqlens_cmp_kv", cu_seqlens_cmp_kv), ("seqused_q", seqused_q),
                     ("seqused_ori_kv", seqused_ori_kv), ("seqused_cmp_kv", seqused_cmp_kv),
-                    ("cmp_residual_kv", cmp_residual_kv), ("metadata", metadata)):
+                    ("cmp_residual_kv", cmp_residual_kv), ("metadata", metadata), ("cmp_topk_length", cmp_topk_length)):
         check_int32(name, t)
     if cmp_kv is None:
         for name, t in (("cmp_sparse_indices", cmp_sparse_indices), ("cmp_block_table", cmp_block_table),
-                        ("cu_seqlens_cmp_kv", cu_seqlens_cmp_kv), ("seqused_cmp_kv", seqused_cmp_kv)):
+                        ("cu_seqlens_cmp_kv", cu_seqlens_cmp_kv), ("seqused_cmp_kv", seqused_cmp_kv),
+                        ("cmp_topk_length", cmp_topk_length)):
             if t is not None:
                 fail(name, "is given but cmp_kv is None")
     check_same_device(q=q, ori_kv=ori_kv, cmp_kv=cmp_kv, ori_sparse_indices=ori_sparse_indices,
@@ -254,11 +261,37 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
         for src in (ori, cmp):
             if src is not None:
                 src.decode, src.decoded_dim = packed.decoder(q.dtype), D
+    cmp_len = _cmp_topk_length(cmp_topk_length, cmp_sparse_indices, q, rows, layout_q, content)
     return MlaProblem(q, rows, ori, cmp,
                       None if cmp_sparse_indices is None else rows.flat(cmp_sparse_indices)[:, 0],
                       None if ori_sparse_indices is None else rows.flat(ori_sparse_indices)[:, 0],
                       Lc, sinks, float(softmax_scale), r, ori_mask_mode, cmp_mask_mode,
-                      ori_win_left, ori_win_right, content)
+                      ori_win_left, ori_win_right, content, cmp_len)
+
+
+def _cmp_topk_length(length, idx, q, rows: QueryRows, layout_q: str, content: bool):
+    """20 §2.8: ``cmp_topk_length`` ``[B]`` (per request) or one per query row (``[T]`` TND,
+    ``[B, S1]`` BSND), values in ``[0, K]`` -> the per-row cap ``[R]`` int64 of the compressed walk
+    (None without it)."""
+    if length is None:
+        return None
+    if idx is None:
+        fail("cmp_topk_length", "caps the sparse compressed walk but cmp_sparse_indices is None")
+    per_row = tuple(q.shape[:2] if layout_q == "BSND" else q.shape[:1])
+    shape = tuple(length.shape)
+    if shape == per_row:
+        cap = rows.flat(length.unsqueeze(-1))[:, 0].to(torch.int64)
+    elif shape == (rows.B,):
+        cap = length.to(torch.int64)[rows.batch]
+    else:
+        fail("cmp_topk_length", f"expected shape [B]=[{rows.B}] or one per query row {list(per_row)}, got {shape}")
+    K = idx.size(-1)
+    if content:
+        v = host_ints(length.reshape(-1))
+        bad = next((x for x in v if not 0 <= x <= K), None)
+        if bad is not None:
+            fail("cmp_topk_length", f"value {bad} is not in [0, K={K}] (K: cmp_sparse_indices' last dim)")
+    return cap
 
 
 def check_grad_inputs(q, dout, attn_out, softmax_lse, layout_q, layout_kv) -> None:

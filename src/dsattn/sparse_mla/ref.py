@@ -31,8 +31,9 @@ def _row_keys(P: MlaProblem, b: int, i: int, t: int, S1e: int, lens: dict):
         thr = cmp_threshold(pc, S2o, lens["S2c"][b], P.r, P.cm)
         if P.cmp_idx is None:
             cmp = [(None, j) for j in range(thr)]
-        else:
-            cmp = sparse_walk(host_ints(P.cmp_idx[t]), thr, thr)
+        else:                                                  # min(K, thr, cmp_topk_length) slots (20 §2.8)
+            limit = thr if P.cmp_len is None else min(thr, int(P.cmp_len[t]))
+            cmp = sparse_walk(host_ints(P.cmp_idx[t]), limit, thr)
     return ori, cmp
 
 
