@@ -1,0 +1,355 @@
+"""FlashMLA's public Python API over dsattn's operators: code written against ``flash_mla`` runs by
+changing the import (``from dsattn import flashmla as flash_mla`` or ``from dsattn.flashmla import
+flash_mla_with_kvcache, ...``).  Same names, arguments, defaults, shapes and return values as
+FlashMLA's ``flash_mla/flash_mla_interface.py``; its conventions hold at this boundary only:
+
+* the LSE excludes the sink, natural log; a query with no valid key gets out 0 and LSE ``+inf``
+  (``max_logits`` ``-inf``); the sink scales the output by ``exp(lse) / (exp(lse) + exp(sink))``
+  (``+inf`` -> out 0, ``-inf`` -> no effect);
+* index lists hold flat pool indices ``block · page_block_size + offset`` (decode) or key rows
+  (prefill); -1 masks that one slot (dsattn's operators end a list at -1: the lists are compacted,
+  stably, before they reach the operator), and so does any slot at or past ``topk_length``;
+* the value is the first ``head_dim_v`` / ``d_v`` columns of the key (576 / 512 for V3.2);
+* FP8 caches in FlashMLA's V3.2 (656-byte) and V4 (584-byte) layouts are read directly, dequantising
+  only the tokens a query reads (:mod:`dsattn.quant.flashmla`).
+
+The attention itself is ``torch.ops.dsattn.sparse_flash_mla``: for sparse calls, each query row is
+one batch of a TND call whose keys are its own gathered tokens (ori branch, mask mode 0, length =
+its valid slots), computed in float32 and rounded once to the query dtype after the sink; for
+dense decode the paged cache goes to the operator as it is (causal: ori mask mode 3).  Rows are
+processed in blocks within a memory budget; nothing reads device data on the host except the
+content checks (indices within the pool), which ``dsattn.set_content_checks(False)`` and CUDA
+graph capture skip.  The scheduling object is kept for API compatibility: dsattn needs no plan
+here, but it records the first call's configuration and rejects an inconsistent reuse, as
+FlashMLA does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from . import ops
+from .common.checks import check_tensor, content_checks_enabled, fail, host_ints
+from .quant.flashmla import dequantize_tokens, layout_of
+
+__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd"]
+
+GATHER_BUDGET = 64 << 20          # bytes of gathered float32 keys per block of query rows
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    """FlashMLA's scheduling object.  dsattn computes no tile schedule for these calls; the object
+    records the configuration of its first use and later calls must match it."""
+
+    @dataclasses.dataclass
+    class Config:
+        b: int
+        s_q: int
+        h_q: int
+        page_block_size: int
+        h_k: int
+        causal: bool
+        is_fp8_kvcache: bool
+        topk: Optional[int]
+        extra_page_block_size: Optional[int]
+        extra_topk: Optional[int]
+
+    have_initialized: bool = False
+    config: Optional[Config] = None
+    tile_scheduler_metadata: Optional[torch.Tensor] = None
+    num_splits: Optional[torch.Tensor] = None
+
+
+def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
+    """``(FlashMLASchedMeta(), None)``, for any arguments (FlashMLA keeps the old signature's
+    ``cache_seqlens, num_q_tokens_per_head_k, num_heads_k, ...`` for compatibility)."""
+    return FlashMLASchedMeta(), None
+
+
+def _lse_fill_empty(lse: torch.Tensor, has_key: torch.Tensor) -> torch.Tensor:
+    return torch.where(has_key, lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
+
+
+def _apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """FlashMLA's sink: ``out · exp(lse) / (exp(lse) + exp(sink)) = out / (1 + exp(sink - lse))``."""
+    if sink is None:
+        return out
+    return out / (1.0 + torch.exp(sink.float() - lse))[..., None]
+
+
+def _compact(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order of the slots putting valid ones first, and the count of valid slots per row."""
+    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices
+    return order, valid.sum(-1)
+
+
+def _attend_gathered(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float, want_max: bool):
+    """Rows ``q [n, h, d]`` over their own keys ``keys [n, W, d]`` (float32), ``valid [n, W]``:
+    ``(out [n, h, d] fp32, lse [n, h] without sink (0 for rows without a key), max [n, h] or None,
+    has_key [n, 1])`` through ``sparse_flash_mla`` (one TND batch per row)."""
+    n, W, d = keys.shape
+    order, count = _compact(valid)
+    keys = torch.gather(keys, 1, order[..., None].expand(n, W, d))
+    dev = q.device
+    cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    cu_kv = torch.arange(0, n * W + 1, W, dtype=torch.int32, device=dev) if W else torch.zeros(n + 1, dtype=torch.int32,
+                                                                                             device=dev)
+    out, lse = ops.sparse_flash_mla(q.float(), ori_kv=keys.reshape(n * W, 1, d), cu_seqlens_q=cu_q,
+                                    cu_seqlens_ori_kv=cu_kv, seqused_ori_kv=count.to(torch.int32),
+                                    softmax_scale=scale, ori_mask_mode=0, layout_q="TND", layout_kv="TND",
+                                    return_softmax_lse=True)
+    lse = lse[0]                                                     # [N2=1, T, G] -> [n, h]
+    has_key = (count > 0)[:, None]
+    mx = None
+    if want_max:                                                     # FlashMLA's max_logits
+        s = scale * torch.einsum("nhd,nwd->nhw", q.float(), keys)
+        live = (torch.arange(W, device=dev)[None] < count[:, None])[:, None, :]
+        mx = torch.where(live, s, torch.full((), float("-inf"), device=dev)).amax(-1) if W else \
+            torch.full(lse.shape, float("-inf"), device=dev)
+    return out, lse, mx, has_key
+
+
+def _rows_per_block(W: int, d: int) -> int:
+    return max(1, GATHER_BUDGET // max(1, W * d * 4 * 3))
+
+
+def _check_flat_indices(name: str, idx: torch.Tensor, lead: tuple, pool: int) -> None:
+    check_tensor(name, idx)
+    if idx.dtype != torch.int32:
+        fail(name, f"dtype {idx.dtype} is not supported; expected torch.int32", TypeError)
+    if tuple(idx.shape[:-1]) != lead:
+        fail(name, f"expected shape {list(lead) + ['topk']}, got {tuple(idx.shape)}")
+    if content_checks_enabled(idx) and idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= pool:
+            bad = lo if lo < -1 else hi
+            fail(name, f"value {bad} is neither -1 nor a token of the cache's {pool} (num_blocks x page_block_size)")
+
+
+def _check_lengths(name: str, t: torch.Tensor | None, shape: tuple, K: int) -> None:
+    if t is None:
+        return
+    check_tensor(name, t)
+    if t.dtype != torch.int32:
+        fail(name, f"dtype {t.dtype} is not supported; expected torch.int32", TypeError)
+    if tuple(t.shape) != shape:
+        fail(name, f"expected shape {list(shape)}, got {tuple(t.shape)}")
+    if content_checks_enabled(t) and t.numel():
+        v = host_ints(t)
+        if min(v) < 0:
+            fail(name, f"value {min(v)} is negative")
+
+
+class _Scope:
+    """One KV cache and its index lists (main or extra): gathers the tokens of a block of rows."""
+
+    def __init__(self, name: str, cache: torch.Tensor, indices: torch.Tensor, lengths, fp8: bool, d: int,
+                 b: int, s_q: int):
+        self.name, self.cache, self.fp8 = name, cache, fp8
+        prefix = "" if name == "k_cache" else "extra_"
+        if cache.dim() != 4:
+            fail(name, f"expected (num_blocks, page_block_size, num_heads_k, head_dim), got {tuple(cache.shape)}")
+        if cache.size(2) != 1:
+            fail(name, f"num_heads_k must be 1 for sparse attention, got {cache.size(2)}")
+        if fp8:
+            self.layout = layout_of(cache, name)
+            if self.layout.d != d:
+                fail(name, f"the {self.layout.name} layout holds head_dim {self.layout.d} but q has {d}")
+        else:
+            self.layout = None
+            if cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                fail(name, f"dtype {cache.dtype} is not supported without is_fp8_kvcache; expected a float cache",
+                     TypeError)
+            if cache.size(-1) != d:
+                fail(name, f"head_dim {cache.size(-1)} does not match q's {d}")
+        self.bs = cache.size(1)
+        idx_name = "indices" if not prefix else "extra_indices_in_kvcache"
+        _check_flat_indices(idx_name, indices, (b, s_q), cache.size(0) * self.bs)
+        _check_lengths(f"{prefix}topk_length", lengths, (b,), indices.size(-1))
+        self.idx = indices.reshape(b * s_q, -1)
+        self.len = None if lengths is None else lengths.repeat_interleave(s_q)
+        self.K = self.idx.size(-1)
+
+    def gather(self, r0: int, r1: int, d: int):
+        """Keys ``[r, K, d]`` (float32, zero at invalid slots) and the valid mask ``[r, K]``."""
+        idx = self.idx[r0:r1].to(torch.int64)
+        valid = idx >= 0
+        if self.len is not None:
+            valid &= torch.arange(self.K, device=idx.device)[None] < self.len[r0:r1, None]
+        safe = torch.where(valid, idx, torch.zeros_like(idx))
+        blk, off = torch.div(safe, self.bs, rounding_mode="floor"), safe % self.bs
+        if self.fp8:
+            keys = dequantize_tokens(self.cache, self.layout, blk, off, torch.float32)
+        else:
+            keys = self.cache[blk, off, 0].float()
+        return keys.masked_fill(~valid[..., None], 0.0), valid
+
+
+def _sparse_decode(q, scopes, head_dim_v, scale, attn_sink):
+    b, s_q, h, d = q.shape
+    R = b * s_q
+    qf = q.reshape(R, h, d)
+    W = sum(sc.K for sc in scopes)
+    out = torch.empty(R, h, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(R, h, dtype=torch.float32, device=q.device)
+    step = _rows_per_block(W, d)
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        parts = [sc.gather(r0, r1, d) for sc in scopes]
+        keys = torch.cat([k for k, _ in parts], 1)
+        valid = torch.cat([v for _, v in parts], 1)
+        o, l, _, has = _attend_gathered(qf[r0:r1], keys, valid, scale, want_max=False)
+        l = _lse_fill_empty(l, has)
+        out[r0:r1] = _apply_sink(o[..., :head_dim_v], l, attn_sink).to(q.dtype)
+        lse[r0:r1] = l
+    return out.view(b, s_q, h, head_dim_v), lse.view(b, s_q, h).transpose(1, 2)
+
+
+def _dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, causal, fp8):
+    b, s_q, h, d = q.shape
+    if block_table is None or cache_seqlens is None:
+        fail("block_table" if block_table is None else "cache_seqlens",
+             "is required for dense attention (indices is None)")
+    if fp8:                          # the V3.2 layout read token by token: the same call as a sparse one
+        bs = k_cache.size(1)
+        W = block_table.size(1) * bs
+        pos = torch.arange(W, device=q.device)
+        flat = block_table.to(torch.int64)[:, pos // bs] * bs + pos % bs            # [b, W]
+        limit = cache_seqlens.to(torch.int64)[:, None] - (s_q - 1 - torch.arange(s_q, device=q.device))[None] \
+            if causal else cache_seqlens.to(torch.int64)[:, None].expand(b, s_q)
+        live = pos[None, None] < limit[..., None]                                    # [b, s_q, W]
+        idx = torch.where(live, flat[:, None, :].expand(b, s_q, W), torch.full((), -1, device=q.device))
+        scope = _Scope("k_cache", k_cache, idx.to(torch.int32), None, True, d, b, s_q)
+        return _sparse_decode(q, [scope], head_dim_v, scale, None)
+    if k_cache.dtype != q.dtype:
+        fail("k_cache", f"dtype {k_cache.dtype} does not match q's {q.dtype}", TypeError)
+    out, lse = ops.sparse_flash_mla(q, ori_kv=k_cache, ori_block_table=block_table, seqused_ori_kv=cache_seqlens,
+                                    softmax_scale=scale, ori_mask_mode=3 if causal else 0, layout_q="BSND",
+                                    layout_kv="PA_BBND", return_softmax_lse=True)
+    n_keys = cache_seqlens.to(torch.int64)[:, None].expand(b, s_q)
+    if causal:
+        n_keys = (n_keys - (s_q - 1 - torch.arange(s_q, device=q.device))[None]).clamp(min=0)
+    lse = _lse_fill_empty(lse[:, 0], (n_keys > 0)[..., None])                      # [b, s_q, h]
+    return out[..., :head_dim_v].contiguous(), lse.transpose(1, 2)
+
+
+def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: Optional[torch.Tensor],
+                           cache_seqlens: Optional[torch.Tensor], head_dim_v: int,
+                           tile_scheduler_metadata: FlashMLASchedMeta, num_splits: None = None,
+                           softmax_scale: Optional[float] = None, causal: bool = False, is_fp8_kvcache: bool = False,
+                           indices: Optional[torch.Tensor] = None, attn_sink: Optional[torch.Tensor] = None,
+                           extra_k_cache: Optional[torch.Tensor] = None,
+                           extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+                           topk_length: Optional[torch.Tensor] = None,
+                           extra_topk_length: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over a paged KV cache -> ``(out [b, s_q, h_q, head_dim_v], lse [b, h_q, s_q])``.
+
+    Sparse (``indices [b, s_q, topk]`` of flat pool indices, -1 masks a slot): over ``k_cache`` and,
+    optionally, ``extra_k_cache`` with its own indices; ``topk_length`` / ``extra_topk_length`` ``[b]``
+    keep the leftmost slots; ``attn_sink [h_q]``; bf16 caches or FP8 caches in FlashMLA's V3.2 / V4
+    layouts (``is_fp8_kvcache``).  Dense (``indices`` None): ``block_table`` and ``cache_seqlens``,
+    ``causal`` aligns the ``s_q`` queries to the end of the cache."""
+    sched = tile_scheduler_metadata
+    if not isinstance(sched, FlashMLASchedMeta):
+        fail("tile_scheduler_metadata", f"expected the FlashMLASchedMeta of get_mla_metadata(), got "
+             f"{type(sched).__name__}", TypeError)
+    if num_splits is not None:
+        fail("num_splits", "must be None (the new interface keeps it for compatibility)")
+    check_tensor("q", q)
+    check_tensor("k_cache", k_cache)
+    if q.dim() != 4:
+        fail("q", f"expected (batch_size, seq_len_q, num_heads_q, head_dim), got {tuple(q.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        fail("q", f"dtype {q.dtype} is not supported; expected bfloat16, float16 or float32", TypeError)
+    b, s_q, h_q, d = q.shape
+    if not isinstance(head_dim_v, int) or not 1 <= head_dim_v <= d:
+        fail("head_dim_v", f"value {head_dim_v!r} must be an int in [1, head_dim={d}] (the value is the key's "
+             "leading columns)")
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink)
+        if attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (h_q,):
+            fail("attn_sink", f"expected a float32 tensor of shape [num_heads_q={h_q}], got {attn_sink.dtype} "
+                 f"{tuple(attn_sink.shape)}")
+    sparse = indices is not None
+    cfg = FlashMLASchedMeta.Config(b, s_q, h_q, k_cache.size(1) if k_cache.dim() > 1 else 0,
+                                   k_cache.size(2) if k_cache.dim() > 2 else 0, causal, is_fp8_kvcache,
+                                   indices.size(-1) if sparse else None,
+                                   extra_k_cache.size(1) if extra_k_cache is not None else None,
+                                   extra_indices_in_kvcache.size(-1) if extra_indices_in_kvcache is not None else None)
+    if not sched.have_initialized:
+        sched.have_initialized, sched.config = True, cfg
+    elif sched.config != cfg:
+        diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(sched.config, f.name)]
+        fail("tile_scheduler_metadata", f"was initialised by a call with other {', '.join(diff)}; reuse it only "
+             "across calls of the same shapes")
+    if not sparse:
+        for name, t in (("attn_sink", attn_sink), ("extra_k_cache", extra_k_cache),
+                        ("extra_indices_in_kvcache", extra_indices_in_kvcache), ("topk_length", topk_length),
+                        ("extra_topk_length", extra_topk_length)):
+            if t is not None:
+                fail(name, "is only supported with sparse attention (indices given)")
+        return _dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, causal, is_fp8_kvcache)
+    if causal:
+        fail("causal", "must be False when indices is given (sparse attention)")
+    if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
+        fail("extra_indices_in_kvcache" if extra_k_cache is not None else "extra_k_cache",
+             "extra_k_cache and extra_indices_in_kvcache go together")
+    if extra_topk_length is not None and extra_k_cache is None:
+        fail("extra_topk_length", "is given without extra_k_cache")
+    scopes = [_Scope("k_cache", k_cache, indices, topk_length, is_fp8_kvcache, d, b, s_q)]
+    if extra_k_cache is not None:
+        scopes.append(_Scope("extra_k_cache", extra_k_cache, extra_indices_in_kvcache, extra_topk_length,
+                             is_fp8_kvcache, d, b, s_q))
+    return _sparse_decode(q, scopes, head_dim_v, scale, attn_sink)
+
+
+def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
+                         attn_sink: Optional[torch.Tensor] = None, topk_length: Optional[torch.Tensor] = None
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse prefill: ``q [s_q, h_q, d_qk]``, ``kv [s_kv, 1, d_qk]``, ``indices [s_q, 1, topk]``
+    (-1 or >= s_kv: an invalid slot), ``topk_length [s_q]`` -> ``(out [s_q, h_q, d_v] in q's dtype,
+    max_logits [s_q, h_q] fp32, lse [s_q, h_q] fp32)``: LSE and max_logits without the sink; a row
+    with no valid index gets out 0, LSE ``+inf``, max_logits ``-inf``."""
+    for name, t in (("q", q), ("kv", kv), ("indices", indices)):
+        check_tensor(name, t)
+    if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        fail("q", f"expected a bfloat16 / float16 / float32 [s_q, h_q, d_qk] tensor, got {q.dtype} {tuple(q.shape)}")
+    s_q, h_q, d = q.shape
+    if kv.dim() != 3 or kv.size(1) != 1 or kv.size(2) != d:
+        fail("kv", f"expected [s_kv, h_kv=1, d_qk={d}], got {tuple(kv.shape)}")
+    if kv.dtype != q.dtype:
+        fail("kv", f"dtype {kv.dtype} does not match q's {q.dtype}", TypeError)
+    if indices.dtype != torch.int32 or indices.dim() != 3 or tuple(indices.shape[:2]) != (s_q, 1):
+        fail("indices", f"expected an int32 [s_q={s_q}, h_kv=1, topk] tensor, got {indices.dtype} "
+             f"{tuple(indices.shape)}")
+    if not isinstance(d_v, int) or not 1 <= d_v <= d:
+        fail("d_v", f"value {d_v!r} must be an int in [1, d_qk={d}]")
+    if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (h_q,)):
+        fail("attn_sink", f"expected a float32 tensor of shape [h_q={h_q}], got {attn_sink.dtype} "
+             f"{tuple(attn_sink.shape)}")
+    K = indices.size(-1)
+    _check_lengths("topk_length", topk_length, (s_q,), K)
+    s_kv = kv.size(0)
+    idx = indices[:, 0].to(torch.int64)
+    out = torch.empty(s_q, h_q, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    mx = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    slot = torch.arange(K, device=q.device)[None]
+    step = _rows_per_block(K, d)
+    for r0 in range(0, s_q, step):
+        r1 = min(s_q, r0 + step)
+        x = idx[r0:r1]
+        valid = (x >= 0) & (x < s_kv)
+        if topk_length is not None:
+            valid &= slot < topk_length[r0:r1, None]
+        keys = kv[torch.where(valid, x, torch.zeros_like(x)), 0].float().masked_fill(~valid[..., None], 0.0)
+        o, l, m, has = _attend_gathered(q[r0:r1], keys, valid, float(sm_scale), want_max=True)
+        l = _lse_fill_empty(l, has)
+        out[r0:r1] = _apply_sink(o[..., :d_v], l, attn_sink).to(q.dtype)
+        lse[r0:r1] = l
+        mx[r0:r1] = m
+    return out, mx, lse
