@@ -152,6 +152,26 @@ def _poison(cache, used: torch.Tensor, fp8: bool):
         cache.view(torch.uint8)[unread] = 0xFF
 
 
+def _dsattn_golden(q, pool, idx, valid, scale, dv, sink):
+    """dsattn's golden on the call dsattn.flashmla makes: each query row one TND batch over its own
+    tokens (bf16, compacted: valid slots first), ori mask mode 0, length = its valid slots.  (The
+    operators' compressed branch cannot stand in: a row with no ori key and a causal compressed mask
+    is an invalid row, p < 0.)  The sink is applied as FlashMLA defines it."""
+    b, s_q, h, d = q.shape
+    R, K = b * s_q, idx.size(-1)
+    v = valid.reshape(R, K)
+    order = torch.sort((~v).to(torch.int8), dim=-1, stable=True).indices
+    keys = _flat_keys(pool, torch.where(v, idx.reshape(R, K), -1), False)
+    keys = torch.gather(keys, 1, order[..., None].expand(R, K, d)).to(q.dtype)
+    out, lse = reference.sparse_flash_mla(
+        q.reshape(R, h, d), ori_kv=keys.reshape(R * K, 1, d), cu_seqlens_q=torch.arange(R + 1, dtype=torch.int32),
+        cu_seqlens_ori_kv=torch.arange(0, R * K + 1, K, dtype=torch.int32), seqused_ori_kv=v.sum(-1).to(torch.int32),
+        softmax_scale=scale, ori_mask_mode=0, layout_q="TND", layout_kv="TND", return_softmax_lse=True)
+    lse = torch.where(v.any(-1)[:, None], lse[0], torch.tensor(float("inf")))
+    out = out.float()[..., :dv] / (1 + torch.exp(sink - lse))[..., None] if sink is not None else out[..., :dv]
+    return out.to(q.dtype).view(b, s_q, h, dv), lse.view(b, s_q, h).transpose(1, 2)
+
+
 @pytest.mark.parametrize("topk", [64, 2048])
 @pytest.mark.parametrize("with_len", [False, True])
 def test_v32_fp8_sparse_decode(topk, with_len):
@@ -177,6 +197,9 @@ def test_v32_fp8_sparse_decode(topk, with_len):
                                        valid.reshape(b * s_q, topk), d ** -0.5, dv, None)
     _check(out, lse, want.view(b, s_q, h, dv), want_lse.view(b, s_q, h).transpose(1, 2))
     assert bool((lse[0, :, 1] == float("inf")).all()) and bool((out[0, 1] == 0).all())
+    gold, gold_lse = _dsattn_golden(q, F.dequantize_cache(cache), idx, valid, d ** -0.5, dv, None)
+    assert testing.compare(out, gold)                  # bf16 across rounding points: the cross-order rule
+    assert testing.flashmla_lse_close(lse, gold_lse)
     # the meta is reusable for the same shapes, and refuses others
     flashmla.flash_mla_with_kvcache(q, cache, None, None, dv, meta, is_fp8_kvcache=True, indices=idx,
                                     topk_length=lengths)
