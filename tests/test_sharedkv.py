@@ -42,7 +42,9 @@ def test_every_core_count_and_split_kv(ratio):
                          ids=["TND+PA_ND", "BSND+PA_ND", "TND+TND", "BSND+BSND"])
 @pytest.mark.parametrize("ratio", [1, 4, 128], ids=lambda r: SCEN[r])
 def test_layouts_and_dtypes_against_golden(ratio, layout, paged, dtype):
-    c = cases.sharedkv_case(layout, ratio, dtype, paged=paged, seed=_seed())
+    # 16 heads: the split-row share is a statistic; with 4 heads about 1 configuration in 1,000 falls under
+    # 99.5 % from bf16 rounding noise alone (the golden against exact math does too)
+    c = cases.sharedkv_case(layout, ratio, dtype, paged=paged, seed=_seed(), H=16)
     mla_kw = c.extra["mla_kwargs"]
     want, _ = reference.sparse_flash_mla(c.q, **mla_kw)
     want64 = reference.sparse_flash_mla(c.q, compute_dtype=torch.float64, **mla_kw)[0] if dtype == torch.float32 \

@@ -34,7 +34,9 @@ def _dequantised(c):
                          ids=["TND+PA_ND", "BSND+PA_ND", "TND+TND", "BSND+BSND"])
 @pytest.mark.parametrize("ratio", [1, 4, 128], ids=lambda r: SCEN[r])
 def test_against_golden_and_dequantised_sharedkv(ratio, layout, paged, dtype, payload):
-    c = cases.packed_sharedkv_case(layout, ratio, dtype, paged=paged, payload=PAYLOADS[payload], seed=_seed())
+    # 16 heads: the split-row share is a statistic; with 4 heads about 1 configuration in 1,000 falls under
+    # 99.5 % from bf16 rounding noise alone (the golden against exact math does too)
+    c = cases.packed_sharedkv_case(layout, ratio, dtype, paged=paged, payload=PAYLOADS[payload], seed=_seed(), H=16)
     want, _ = reference.sparse_attn_sharedkv_packed(c.q, **c.kwargs)
     direct, lse = ops.sparse_attn_sharedkv_packed(c.q, **c.kwargs)
     assert lse.shape == (0,)
