@@ -210,7 +210,7 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
                       cmp_block_table=cmp_block_table, cu_seqlens_q=cu_seqlens_q,
                       cu_seqlens_ori_kv=cu_seqlens_ori_kv, cu_seqlens_cmp_kv=cu_seqlens_cmp_kv,
                       seqused_q=seqused_q, seqused_ori_kv=seqused_ori_kv, seqused_cmp_kv=seqused_cmp_kv,
-                      cmp_residual_kv=cmp_residual_kv, sinks=sinks)
+                      cmp_residual_kv=cmp_residual_kv, sinks=sinks, cmp_topk_length=cmp_topk_length)
     # -- shapes
     rank = 4 if layout_q == "BSND" else 3
     if q.dim() != rank:
