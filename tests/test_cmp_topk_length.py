@@ -132,3 +132,21 @@ def test_fake_kernel_accepts_the_cap():
     cap = torch.full((3,), 4, dtype=torch.int32)
     fn = torch.compile(lambda q: ops.sparse_flash_mla(q, cmp_topk_length=cap, **kw)[0], fullgraph=True)
     assert testing.compare(fn(q), ops.sparse_flash_mla(q, cmp_topk_length=cap, **kw)[0])
+
+
+def test_tnd_with_as_many_rows_as_requests_reads_per_row():
+    """T == B is ambiguous between [B] and [T]: it is read per row (the general form)."""
+    g = torch.Generator().manual_seed(_seed())
+    H, D = 2, 16
+    q = torch.randn(3, H, D, generator=g)
+    kv = torch.randn(30, 1, D, generator=g)
+    ckv = torch.randn(9, 1, D, generator=g)
+    idx = torch.randint(0, 3, (3, 1, 4), generator=g, dtype=torch.int32)
+    kw = dict(ori_kv=kv, cmp_kv=ckv, cmp_sparse_indices=idx, cu_seqlens_q=torch.tensor([0, 0, 2, 3], dtype=torch.int32),
+              cu_seqlens_ori_kv=torch.tensor([0, 10, 20, 30], dtype=torch.int32),
+              cu_seqlens_cmp_kv=torch.tensor([0, 2, 5, 9], dtype=torch.int32), cmp_ratio=4, layout_q="TND",
+              layout_kv="TND")
+    cap = torch.tensor([4, 0, 2], dtype=torch.int32)                            # rows 0, 1, 2
+    out, _ = ops.sparse_flash_mla(q, cmp_topk_length=cap, **kw)
+    want, _ = ops.sparse_flash_mla(q, **dict(kw, cmp_sparse_indices=_truncated(idx, cap)))
+    assert torch.equal(out, want)

@@ -191,7 +191,8 @@ def pack_lists(per_batch, layout, q, K):
 def _topk_length_tensor(caps, per_row: bool, layout: str, q, K: int) -> torch.Tensor:
     """``cmp_topk_length`` ``[B]`` (every row of a request shares its cap) or one per query row
     (``[B, S1]`` / ``[T]``; padding and tail rows get random legal values)."""
-    if not per_row:
+    T = q.size(0) if layout == "TND" else None
+    if not per_row and T != len(caps):                      # (T == B reads per row: spell the caps out)
         return _i32(*[c[0] if c else 0 for c in caps])
     flat = torch.randint(0, K + 1, q.shape[:2] if layout == "BSND" else q.shape[:1], dtype=torch.int32)
     n = 0

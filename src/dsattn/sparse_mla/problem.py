@@ -272,7 +272,9 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
 def _cmp_topk_length(length, idx, q, rows: QueryRows, layout_q: str, content: bool):
     """20 §2.8: ``cmp_topk_length`` ``[B]`` (per request) or one per query row (``[T]`` TND,
     ``[B, S1]`` BSND), values in ``[0, K]`` -> the per-row cap ``[R]`` int64 of the compressed walk
-    (None without it)."""
+    (None without it).  A TND call with ``T == B`` reads it per row: the more general form (a
+    per-request cap is its expansion to rows), and the same thing when every request has one
+    query row (decode)."""
     if length is None:
         return None
     if idx is None:
