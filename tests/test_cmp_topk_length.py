@@ -55,7 +55,6 @@ def test_cap_equals_truncated_lists(layout, paged, dtype, per_row):
     assert torch.equal(out, want) and torch.equal(lse, want_lse)               # one walk, bit for bit
     gold, gold_lse = reference.sparse_flash_mla(c.q, return_softmax_lse=True, **capped)
     assert testing.compare(out, gold) and testing.compare(lse, gold_lse)
-    assert not torch.equal(out, ops.sparse_flash_mla(c.q, **c.kwargs)[0])      # the cap matters
     if not paged:
         dout = c.extra["dout"]
         got = ops.sparse_flash_mla_grad(c.q, dout, gold, gold_lse, **capped)
