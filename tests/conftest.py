@@ -1,5 +1,12 @@
 import os
 
+# Without a GPU the Triton kernels are tested under Triton's interpreter, which must be chosen before
+# triton is first imported (tests/test_triton_backend.py; DSATTN_BACKEND selects the kernels per test).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch as _torch
+    if not _torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 import torch
 

@@ -68,6 +68,11 @@ def _fuzz(args) -> int:
 
 
 def _verify(args) -> int:
+    if args.impl == "triton":
+        import os
+        os.environ["DSATTN_BACKEND"] = "triton"
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")           # before triton is first imported
     if args.fuzz is not None:
         return _fuzz(args)
     from rich.console import Console
@@ -155,16 +160,44 @@ def _plan_table(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.family and "gpu" in args.family:
+        return _bench_gpu_static(args)
     from .benchmarks import runner
     return runner.main(args.family or None, smoke=args.smoke, record_results=not args.no_record, argv=args.argv)
+
+
+def _bench_gpu_static(args) -> int:
+    """``dsattn bench --family gpu --static``: the AOT compile table of the Triton kernels (no GPU needed)."""
+    if not args.static:
+        print("dsattn bench: error: --family gpu: timing needs a GPU (bench/gpu.py); without one use --static",
+              file=sys.stderr)
+        return 2
+    import os
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}     # the interpreter would replace them
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    cmd = [sys.executable, "-m", "dsattn.gpu_static"] + (["--quick"] if args.smoke else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    print(res.stdout, end="")
+    if res.returncode:
+        print(res.stderr[-4000:], file=sys.stderr)
+        return res.returncode
+    if not args.no_record:
+        from .benchmarks.runner import record, results_path
+        record(f"## `dsattn {' '.join(args.argv)}`\n\nTriton kernels compiled ahead of time (no GPU): shared memory, "
+               f"warps, stages, registers and spills (ptxas -v / AMDGCN metadata), occupancy estimate.\n\n"
+               f"{res.stdout}\n", results_path())
+        print(f"appended to {results_path()}")
+    return 0
 
 
 def main(argv=None) -> int:
     parser = _Parser(prog="dsattn", description="DeepSeek sparse attention operators")
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="run the parity matrix against the golden references")
-    v.add_argument("--impl", choices=("ops", "facade", "reference"), default="ops",
-                   help="implementation under test (default: the registered ops)")
+    v.add_argument("--impl", choices=("ops", "facade", "reference", "triton"), default="ops",
+                   help="implementation under test (default: the registered ops; triton: the ops with "
+                        "DSATTN_BACKEND=triton, under Triton's interpreter without a GPU)")
     v.add_argument("--quick", action="store_true", help="fp16/bf16 only, no paged cases")
     v.add_argument("--failures-only", action="store_true", help="list failing comparisons only")
     v.add_argument("--fuzz", type=_int_at_least(1), metavar="N",
@@ -205,8 +238,9 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of per-core cost")
     p.set_defaults(fn=_plan)
     bn = sub.add_parser("bench", help="CPU benchmarks: ceilings, every family's workloads, RESULTS.md")
-    bn.add_argument("--family", action="append", choices=("attention", "indexer", "backward", "kv_quant"),
-                    help="run only this family (repeatable)")
+    bn.add_argument("--family", action="append", choices=("attention", "indexer", "backward", "kv_quant", "gpu"),
+                    help="run only this family (repeatable); gpu: the Triton kernels (with --static: AOT compile table)")
+    bn.add_argument("--static", action="store_true", help="with --family gpu: compile for GPU targets, no GPU needed")
     bn.add_argument("--smoke", action="store_true", help="tiny shapes: checks the scripts run and match the golden")
     bn.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
     bn.set_defaults(fn=_bench)

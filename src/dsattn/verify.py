@@ -57,6 +57,7 @@ def output_rule(actual, expected_fp32_golden, expected_f64_golden=None, abs_floo
 
 
 def _impl(name: str, impl: str) -> Callable:
+    """The implementation under test; ``triton`` is the ops with ``DSATTN_BACKEND=triton`` (set by the CLI)."""
     if impl == "reference":
         return getattr(reference, name)
     if impl == "facade":

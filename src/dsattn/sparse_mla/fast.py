@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backend import use_triton
 from ..common.checks import stat_dtype
 from ..common.softmax import attend, attention_dtype, round_q, uses_flash
 from .problem import MlaProblem, lse_from_rows, lse_to_rows
@@ -54,6 +55,10 @@ def _forward_banded(P: MlaProblem, out, lse, cdt):
 
 
 def forward(P: MlaProblem, return_softmax_lse: bool):
+    if use_triton(P.q.device):
+        from . import triton as triton_kernels                # imported only when Triton runs
+        if triton_kernels.supports(P):
+            return triton_kernels.forward(P, return_softmax_lse)
     q = P.q
     cdt = _compute_dtype(q)
     qf = P.rows.flat(q)
