@@ -5,8 +5,12 @@ are the M dimension of both GEMMs).  The row's keys -- the window band of the or
 the compressed branch (top-k walk or causal prefix) -- arrive as one list of element offsets
 into the two KV tensors (``-1``: no key), computed by the vectorised key selection of
 :meth:`MlaProblem.keys` without any device read; the kernel gathers them block by block, so no
-``[rows, keys, D]`` buffer exists.  Online softmax in fp32 with the sink inside it (``+inf``
-sink: out 0, LSE ``+inf``), P rounded to the query dtype before P·V, LSE including the sink,
+``[rows, keys, D]`` buffer exists.  Two passes over the keys: the row maximum (with the sink),
+then P = exp(S - m) rounded to the query dtype before P·V -- the golden's rounding points
+exactly, where a single online pass would round against running maxima (bf16 then misses the
+cross-order rule on long rows); it reads the keys twice (the price, to revisit with GPU
+measurements).  fp32 statistics, the sink inside the softmax (``+inf`` sink: out 0, LSE
+``+inf``), LSE including the sink,
 rows without a key 0 / 0 (spec 00 §8-9).  The head dim is split into a power-of-two main part
 and a tail (576 = 512 + 64), so V3.2's 576 and V4's 512 both tile without padding to 1024.
 
@@ -24,7 +28,6 @@ import torch
 from ..common.checks import stat_dtype
 from .problem import MlaProblem, lse_from_rows
 
-BLOCK_N = 32                     # keys per step
 ADDRESS_BUDGET = 16 << 20        # bytes of key offsets per launch
 
 
@@ -37,6 +40,43 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _load_keys(KO, KC, off, from_ori, from_cmp, cols, D):
+    """Key rows ``[BLOCK_N, len(cols)]``: each from the ori or the cmp tensor (the other load masked)."""
+    ptr = off[:, None] + cols[None, :]
+    inside = cols[None, :] < D
+    return tl.load(KO + ptr, mask=from_ori[:, None] & inside, other=0.0) + \
+        tl.load(KC + ptr, mask=from_cmp[:, None] & inside, other=0.0)
+
+
+@triton.jit
+def _block_scores(q_a, q_b, KO, KC, A_row, n0, W, WO, D, scale, da, db, BLOCK_N: tl.constexpr, DB: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """Keys ``n0 .. n0 + BLOCK_N`` of a row: scaled scores ``[BLOCK_H, BLOCK_N]`` (-inf where no key),
+    the key tiles (main part, tail) and the valid mask."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    off = tl.load(A_row + cols, mask=cols < W, other=-1)
+    valid = off >= 0
+    off = tl.where(valid, off, 0)
+    from_ori = valid & (cols < WO)
+    from_cmp = valid & (cols >= WO)
+    ka = _load_keys(KO, KC, off, from_ori, from_cmp, da, D)
+    kb = ka
+    if DOT_FP32:
+        ka = ka.to(tl.float32)
+        s = tl.dot(q_a, tl.trans(ka), input_precision="ieee")
+    else:
+        s = tl.dot(q_a, tl.trans(ka))
+    if DB > 0:
+        kb = _load_keys(KO, KC, off, from_ori, from_cmp, db, D)
+        if DOT_FP32:
+            kb = kb.to(tl.float32)
+            s += tl.dot(q_b, tl.trans(kb), input_precision="ieee")
+        else:
+            s += tl.dot(q_b, tl.trans(kb))
+    return tl.where(valid[None, :], s * scale, float("-inf")), ka, kb, valid
+
+
+@triton.jit
 def sparse_mla_fwd_kernel(Q, KO, KC, A, SINK, OUT, LSE,
                     stride_qr, stride_qh, stride_or, stride_oh, stride_ar,
                     H, D, W, WO, scale,
@@ -46,63 +86,55 @@ def sparse_mla_fwd_kernel(Q, KO, KC, A, SINK, OUT, LSE,
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     da = tl.arange(0, DA)
-    db = DA + tl.arange(0, DB)
     q_row = Q + r * stride_qr + offs_h[:, None] * stride_qh
     q_a = tl.load(q_row + da[None, :], mask=hmask[:, None] & (da[None, :] < D), other=0.0)
-    q_b = tl.load(q_row + db[None, :], mask=hmask[:, None] & (db[None, :] < D), other=0.0)
     if DOT_FP32:
         q_a = q_a.to(tl.float32)
-        q_b = q_b.to(tl.float32)
+    q_b = q_a                        # placeholders when the head dim has no tail (DB == 0)
+    db = da
+    if DB > 0:
+        db = DA + tl.arange(0, DB)
+        q_b = tl.load(q_row + db[None, :], mask=hmask[:, None] & (db[None, :] < D), other=0.0)
+        if DOT_FP32:
+            q_b = q_b.to(tl.float32)
+        acc_b = tl.zeros([BLOCK_H, DB], tl.float32)
+    # pass 1: the row maximum over every key and the finite sink, so that P is rounded against the
+    # global maximum exactly as the golden does (00 §8), not against a running one
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
     if HAS_SINK:                     # the sink is one more logit with a zero value vector
         sink = tl.load(SINK + offs_h, mask=hmask, other=float("-inf")).to(tl.float32)
         finite = (sink == sink) & (tl.abs(sink) < float("inf"))
         m_i = tl.where(finite, sink, float("-inf"))
-        l_i = tl.where(finite, 1.0, 0.0)
-    acc_a = tl.zeros([BLOCK_H, DA], tl.float32)
-    acc_b = tl.zeros([BLOCK_H, DB], tl.float32)
     count = tl.zeros([BLOCK_H], tl.int32)
     for n0 in range(0, W, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        off = tl.load(A + r * stride_ar + cols, mask=cols < W, other=-1)
-        valid = off >= 0
-        off = tl.where(valid, off, 0)
-        from_ori = valid & (cols < WO)
-        from_cmp = valid & (cols >= WO)
-        ka_ptr = off[:, None] + da[None, :]
-        kb_ptr = off[:, None] + db[None, :]
-        in_a, in_b = da[None, :] < D, db[None, :] < D
-        # one branch per column: the other load is fully masked and touches no memory
-        ka = tl.load(KO + ka_ptr, mask=from_ori[:, None] & in_a, other=0.0) + \
-            tl.load(KC + ka_ptr, mask=from_cmp[:, None] & in_a, other=0.0)
-        kb = tl.load(KO + kb_ptr, mask=from_ori[:, None] & in_b, other=0.0) + \
-            tl.load(KC + kb_ptr, mask=from_cmp[:, None] & in_b, other=0.0)
-        if DOT_FP32:
-            ka = ka.to(tl.float32)
-            kb = kb.to(tl.float32)
-            s = tl.dot(q_a, tl.trans(ka), input_precision="ieee") + tl.dot(q_b, tl.trans(kb), input_precision="ieee")
-        else:
-            s = tl.dot(q_a, tl.trans(ka)) + tl.dot(q_b, tl.trans(kb))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
+        s, ka, kb, valid = _block_scores(q_a, q_b, KO, KC, A + r * stride_ar, n0, W, WO, D, scale, da, db,
+                                         BLOCK_N, DB, DOT_FP32)
+        m_i = tl.maximum(m_i, tl.max(s, 1))
+        count += tl.sum(valid.to(tl.int32), 0)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if HAS_SINK:
+        l_i = tl.where(finite, tl.exp(sink - m_safe), 0.0)
+    # pass 2: P = exp(S - m), rounded to the query dtype before P·V; l from the unrounded P
+    acc_a = tl.zeros([BLOCK_H, DA], tl.float32)
+    for n0 in range(0, W, BLOCK_N):
+        s, ka, kb, valid = _block_scores(q_a, q_b, KO, KC, A + r * stride_ar, n0, W, WO, D, scale, da, db,
+                                         BLOCK_N, DB, DOT_FP32)
         p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if BF16_BY_BITS:                                             # P rounded to the query dtype
+        l_i += tl.sum(p, 1)
+        if BF16_BY_BITS:
             p_q = _round_bf16(p)
         else:
             p_q = p.to(Q.dtype.element_ty)
         if DOT_FP32:
             p_q = p_q.to(tl.float32)
-            acc_a = acc_a * alpha[:, None] + tl.dot(p_q, ka, input_precision="ieee")
-            acc_b = acc_b * alpha[:, None] + tl.dot(p_q, kb, input_precision="ieee")
+            acc_a += tl.dot(p_q, ka, input_precision="ieee")
+            if DB > 0:
+                acc_b += tl.dot(p_q, kb, input_precision="ieee")
         else:
-            acc_a = acc_a * alpha[:, None] + tl.dot(p_q, ka)
-            acc_b = acc_b * alpha[:, None] + tl.dot(p_q, kb)
-        m_i = m_new
-        count += tl.sum(valid.to(tl.int32), 0)
+            acc_a += tl.dot(p_q, ka)
+            if DB > 0:
+                acc_b += tl.dot(p_q, kb)
     if HAS_SINK:                     # a +inf sink: l = inf, so out 0 and LSE +inf
         l_i = l_i + tl.where(sink == float("inf"), float("inf"), 0.0)
     has = count > 0
@@ -111,25 +143,28 @@ def sparse_mla_fwd_kernel(Q, KO, KC, A, SINK, OUT, LSE,
     out_row = OUT + r * stride_or + offs_h[:, None] * stride_oh
     tl.store(out_row + da[None, :], (acc_a * inv[:, None]).to(OUT.dtype.element_ty),
              mask=hmask[:, None] & (da[None, :] < D))
-    tl.store(out_row + db[None, :], (acc_b * inv[:, None]).to(OUT.dtype.element_ty),
-             mask=hmask[:, None] & (db[None, :] < D))
+    if DB > 0:
+        tl.store(out_row + db[None, :], (acc_b * inv[:, None]).to(OUT.dtype.element_ty),
+                 mask=hmask[:, None] & (db[None, :] < D))
     m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
     tl.store(LSE + r * H + offs_h, tl.where(has, m_fin + tl.log(l_safe), 0.0), mask=hmask)
 
 
 def head_split(D: int) -> tuple[int, int]:
-    """``(DA, DB)``: a power-of-two main part and a tail of at least 16 (the dot's minimum)."""
+    """``(DA, DB)``: a power-of-two main part and a tail of at least 16 (the dot's minimum; 0 when D is a power of two)."""
     DA = 16
     while DA * 2 <= D:
         DA *= 2
-    return DA, max(16, triton.next_power_of_2(max(D - DA, 1)))
+    return DA, (0 if D <= DA else max(16, triton.next_power_of_2(D - DA)))
 
 
-def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
-    """Constexprs the dispatcher selects for a call (also what the AOT compile matrix enumerates)."""
+def launch_config(H: int, D: int, dtype: torch.dtype, backend: str = "cuda") -> dict:
+    """Constexprs and warps the dispatcher selects for a call (also what the AOT compile matrix
+    enumerates).  16 keys per step; NVIDIA: 8 warps (a [16 heads, 512] fp32 accumulator and the key
+    tile fit in registers: 193 per thread at D 512 on sm_90, no spill); AMD: 4 waves of 64 (gfx942's
+    512 registers per lane, no scratch)."""
     DA, DB = head_split(D)
-    block_h = 16 if H <= 16 else (32 if D <= 128 else 16)
-    return dict(BLOCK_H=block_h, BLOCK_N=BLOCK_N, DA=DA, DB=DB)
+    return dict(BLOCK_H=16, BLOCK_N=16, DA=DA, DB=DB, num_warps=8 if backend == "cuda" else 4)
 
 
 def supports(P: MlaProblem) -> bool:
@@ -161,7 +196,7 @@ def forward(P: MlaProblem, return_softmax_lse: bool):
     # the interpreter's fp32 -> bf16 cast truncates: it writes fp32 and torch rounds (nearest even)
     out = torch.empty(R, H, D, dtype=torch.float32 if bf16_by_bits else q.dtype, device=q.device)
     lse = torch.empty(R, H, dtype=torch.float32, device=q.device)
-    cfg = launch_config(H, D, q.dtype)
+    cfg = launch_config(H, D, q.dtype, "hip" if torch.version.hip else "cuda")
     dot_fp32 = interpreted or q.dtype == torch.float32
     ko = P.ori.tensor
     kc = P.cmp.tensor if P.cmp is not None else ko
