@@ -19,7 +19,7 @@ CHOICES = ("auto", "torch", "triton")
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (the import is the test)
     except Exception:                         # noqa: BLE001 - any import failure means "not available"
         return False
     return True
@@ -43,8 +43,8 @@ def use_triton(device: torch.device) -> bool:
         return False
     if choice == "triton":
         if device.type == "cpu" and not interpreting():
-            raise RuntimeError("DSATTN_BACKEND=triton on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                               "before the first import of triton")
+            raise RuntimeError("DSATTN_BACKEND=triton on CPU tensors needs Triton's interpreter: set "
+                               "TRITON_INTERPRET=1 before the first import of triton")
         return device.type in ("cuda", "cpu")
     return device.type == "cuda"
 

@@ -239,7 +239,8 @@ def main(argv=None) -> int:
     p.set_defaults(fn=_plan)
     bn = sub.add_parser("bench", help="CPU benchmarks: ceilings, every family's workloads, RESULTS.md")
     bn.add_argument("--family", action="append", choices=("attention", "indexer", "backward", "kv_quant", "gpu"),
-                    help="run only this family (repeatable); gpu: the Triton kernels (with --static: AOT compile table)")
+                    help="run only this family (repeatable); gpu: the Triton kernels (--static: the AOT compile "
+                         "table)")
     bn.add_argument("--static", action="store_true", help="with --family gpu: compile for GPU targets, no GPU needed")
     bn.add_argument("--smoke", action="store_true", help="tiny shapes: checks the scripts run and match the golden")
     bn.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")

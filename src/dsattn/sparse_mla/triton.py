@@ -14,9 +14,10 @@ measurements).  fp32 statistics, the sink inside the softmax (``+inf`` sink: out
 rows without a key 0 / 0 (spec 00 §8-9).  The head dim is split into a power-of-two main part
 and a tail (576 = 512 + 64), so V3.2's 576 and V4's 512 both tile without padding to 1024.
 
-Under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported; CPU tensors) dots run in fp32 on P already rounded to the query
-dtype: the interpreter's bf16 ``tl.dot`` is unreliable, and the rounding points are the same.
-On a GPU fp32 dots use ``input_precision="ieee"`` (no TF32).
+Under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported; CPU tensors) dots
+run in fp32 on P already rounded to the query dtype (the interpreter's bf16 ``tl.dot`` is
+unreliable; the rounding points are the same), and bf16 rounding is done by bit arithmetic (its
+fp32 -> bf16 cast truncates).  On a GPU fp32 dots use ``input_precision="ieee"`` (no TF32).
 """
 from __future__ import annotations
 
@@ -151,7 +152,8 @@ def sparse_mla_fwd_kernel(Q, KO, KC, A, SINK, OUT, LSE,
 
 
 def head_split(D: int) -> tuple[int, int]:
-    """``(DA, DB)``: a power-of-two main part and a tail of at least 16 (the dot's minimum; 0 when D is a power of two)."""
+    """``(DA, DB)``: a power-of-two main part and a tail of at least 16 (the dot's minimum), 0 when
+    the head dim fits the main part."""
     DA = 16
     while DA * 2 <= D:
         DA *= 2
