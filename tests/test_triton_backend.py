@@ -87,3 +87,21 @@ def test_ahead_of_time_compilation_for_nvidia_and_amd():
         assert 0 < shared <= limit, line
         if head_dim == 512:                           # V4: no spill on either vendor (V3.2's 576 on sm_90: open)
             assert spills == "0", line
+
+
+@pytest.mark.slow
+def test_full_compile_matrix():
+    """Every configuration the dispatcher selects (16 / 64 / 128 heads x 512 / 576 x bf16 / fp16 / fp32) for
+    sm_90, sm_80 and gfx942: it compiles within shared memory; the table (spills included) is what
+    ``dsattn bench --family gpu --static`` records."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    res = subprocess.run([sys.executable, "-m", "dsattn.gpu_static"], capture_output=True, text=True, env=env,
+                         timeout=3600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| sparse_mla_fwd")]
+    assert len(rows) == 3 * 18, res.stdout
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        limit = 227 * 1024 if cells[1] == "cuda:90" else (163 * 1024 if cells[1] == "cuda:80" else 64 * 1024)
+        assert 0 < int(cells[6]) <= limit, line
