@@ -85,13 +85,13 @@ def compile_one(heads: int, head_dim: int, dtype: str, target) -> Row:
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     backend, arch = target
     cfg = launch_config(heads, head_dim, tdtype, backend)
-    warps = cfg.pop("num_warps")
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     consts = dict(HAS_SINK=True, DOT_FP32=dtype == "fp32", BF16_BY_BITS=False, **cfg)
     sig = {k: v.format(t=TYPES[dtype]) for k, v in SIGNATURE.items()}
     sig.update({k: "constexpr" for k in consts})
     compiled = triton.compile(ASTSource(sparse_mla_fwd_kernel, sig, consts),
                               target=GPUTarget(backend, arch, 32 if backend == "cuda" else 64),
-                              options={"num_warps": warps})
+                              options={"num_warps": warps, "num_stages": stages})
     md = compiled.metadata
     if backend == "cuda":
         regs, spills = _ptxas_usage(compiled.asm["ptx"], arch)

@@ -166,7 +166,10 @@ def launch_config(H: int, D: int, dtype: torch.dtype, backend: str = "cuda") -> 
     tile fit in registers: 193 per thread at D 512 on sm_90, no spill); AMD: 4 waves of 64 (gfx942's
     512 registers per lane, no scratch)."""
     DA, DB = head_split(D)
-    return dict(BLOCK_H=16, BLOCK_N=16, DA=DA, DB=DB, num_warps=8 if backend == "cuda" else 4)
+    # fp32 key tiles are twice as large: no software pipelining (one stage) keeps them within shared
+    # memory and registers (gfx942 64 KB; sm_90 152 registers at D 576, no spill)
+    stages = 1 if dtype == torch.float32 else (3 if backend == "cuda" else 2)
+    return dict(BLOCK_H=16, BLOCK_N=16, DA=DA, DB=DB, num_warps=8 if backend == "cuda" else 4, num_stages=stages)
 
 
 def supports(P: MlaProblem) -> bool:
