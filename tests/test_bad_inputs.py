@@ -676,3 +676,12 @@ def test_cli_bad_argument_is_one_line(argv, flag, capsys):
 
 def test_the_zoo_is_large():
     assert len(BAD) + len(CLI) >= 150
+
+
+def test_backend_variable_is_validated(monkeypatch):
+    from dsattn import backend
+    monkeypatch.setenv("DSATTN_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="^DSATTN_BACKEND: value 'cuda'"):
+        ops.sparse_flash_mla(torch.randn(1, 2, 2, 16), ori_kv=torch.randn(1, 3, 1, 16))
+    monkeypatch.setenv("DSATTN_BACKEND", "torch")
+    assert not backend.use_triton(torch.device("cpu"))

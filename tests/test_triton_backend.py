@@ -1,13 +1,9 @@
 """The Triton kernels (issue 13): interpreter parity against the golden on a machine without a GPU
 (CUDA parity on one with), and ahead-of-time compilation for NVIDIA and AMD targets."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from dsattn import cases, ops, reference, testing
+from dsattn import cases, gpu_static, ops, reference, testing
 from dsattn.cases import fuzz
 
 triton = pytest.importorskip("triton")
@@ -70,23 +66,20 @@ def test_no_key_and_infinite_sinks(triton_backend):
     assert testing.fp32_math_close(out.cpu(), want) and testing.fp32_math_close(lse.cpu(), want_lse)
 
 
+SHARED_LIMIT = {f"{backend}:{arch}": limits[0] for (backend, arch), limits in gpu_static.TARGETS.items()}
+
+
 def test_ahead_of_time_compilation_for_nvidia_and_amd():
-    """The V4 / V3.2 bf16 configurations compile for sm_90 and gfx942 within shared memory
-    (``python -m dsattn.gpu_static --quick``; the full matrix: ``dsattn bench --family gpu --static``)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run([sys.executable, "-m", "dsattn.gpu_static", "--quick"], capture_output=True, text=True,
-                         env=env, timeout=600)
+    """The V4 / V3.2 bf16 configurations compile for sm_90 and gfx942 within shared memory, V4's 512
+    without spills (``python -m dsattn.gpu_static --quick``; the full matrix: ``dsattn bench --family gpu --static``)."""
+    res = gpu_static.run_in_subprocess(quick=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = [line for line in res.stdout.splitlines() if line.startswith("| sparse_mla_fwd")]
+    rows = gpu_static.parse_table(res.stdout)
     assert len(rows) == 4, res.stdout
-    for line in rows:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        target, head_dim, shared, spills = cells[1], int(cells[3]), int(cells[6]), cells[10]
-        limit = 227 * 1024 if target.startswith("cuda") else 64 * 1024
-        assert 0 < shared <= limit, line
-        if head_dim == 512:                           # V4: no spill on either vendor (V3.2's 576 on sm_90: open)
-            assert spills == "0", line
+    for row in rows:
+        assert 0 < int(row["shared"]) <= SHARED_LIMIT[row["target"]], row
+        if row["head_dim"] == "512":                  # V4: no spill on either vendor (V3.2's 576 on NVIDIA: open)
+            assert row["spills"] == "0", row
 
 
 @pytest.mark.slow
@@ -94,14 +87,9 @@ def test_full_compile_matrix():
     """Every configuration the dispatcher selects (16 / 64 / 128 heads x 512 / 576 x bf16 / fp16 / fp32) for
     sm_90, sm_80 and gfx942: it compiles within shared memory; the table (spills included) is what
     ``dsattn bench --family gpu --static`` records."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run([sys.executable, "-m", "dsattn.gpu_static"], capture_output=True, text=True, env=env,
-                         timeout=3600)
+    res = gpu_static.run_in_subprocess(quick=False, timeout=3600)
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = [line for line in res.stdout.splitlines() if line.startswith("| sparse_mla_fwd")]
+    rows = gpu_static.parse_table(res.stdout)
     assert len(rows) == 3 * 18, res.stdout
-    for line in rows:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        limit = 227 * 1024 if cells[1] == "cuda:90" else (163 * 1024 if cells[1] == "cuda:80" else 64 * 1024)
-        assert 0 < int(cells[6]) <= limit, line
+    for row in rows:
+        assert 0 < int(row["shared"]) <= SHARED_LIMIT[row["target"]], row

@@ -172,12 +172,8 @@ def _bench_gpu_static(args) -> int:
         print("dsattn bench: error: --family gpu: timing needs a GPU (bench/gpu.py); without one use --static",
               file=sys.stderr)
         return 2
-    import os
-    import subprocess
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}     # the interpreter would replace them
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    cmd = [sys.executable, "-m", "dsattn.gpu_static"] + (["--quick"] if args.smoke else [])
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    from .gpu_static import run_in_subprocess
+    res = run_in_subprocess(quick=args.smoke)
     print(res.stdout, end="")
     if res.returncode:
         print(res.stderr[-4000:], file=sys.stderr)

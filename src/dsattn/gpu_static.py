@@ -130,6 +130,23 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def run_in_subprocess(quick: bool, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``python -m dsattn.gpu_static [--quick]`` in a fresh interpreter without ``TRITON_INTERPRET``
+    (a process that chose Triton's interpreter cannot compile for a GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    cmd = [sys.executable, "-m", "dsattn.gpu_static"] + (["--quick"] if quick else [])
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def parse_table(text: str) -> list[dict]:
+    """The rows of :func:`table`'s markdown as dicts of strings."""
+    keys = ("kernel", "target", "heads", "head_dim", "dtype", "block", "shared", "warps", "stages", "registers",
+            "spills", "occupancy", "ok")
+    return [dict(zip(keys, (c.strip() for c in line.strip().strip("|").split("|"))))
+            for line in text.splitlines() if line.startswith("| sparse_mla_fwd")]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsattn.gpu_static")
     ap.add_argument("--quick", action="store_true", help="bf16, 64 heads, one target per vendor")

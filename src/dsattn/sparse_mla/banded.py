@@ -17,12 +17,11 @@ from ..common.softmax import attend_branches
 from .problem import MlaProblem
 
 def _gather_range(src, b, xs, mask, dtype, check: bool):
-    """Key rows ``xs`` of batch ``b`` that some row of ``mask [n, len(xs)]`` selects; the others
-    (seen only by padding rows, or by nobody) are not addressed and come back as exact zeros, so
-    neither an unmapped page nor a NaN row they may hold can reach an output (00 §8)."""
-    need = mask.any(0)
-    i0, i1 = src.locate(b.reshape(1), xs, need, check=check)
-    return src.gather(i0, i1).to(dtype).masked_fill_(~need[:, None], 0.0)
+    """Key rows ``xs`` of batch ``b``; only those some row of ``mask [n, len(xs)]`` selects are
+    addressed (a key seen only by padding rows may sit on an unmapped page).  The others hold a
+    placeholder row: :func:`attend_branches` replaces their scores and value rows (00 §8)."""
+    i0, i1 = src.locate(b.reshape(1), xs, mask.any(0), check=check)
+    return src.gather(i0, i1).to(dtype)
 
 
 def block_forward(P: MlaProblem, t0: int, t1: int, b: int, cdt: torch.dtype):
