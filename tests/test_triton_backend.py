@@ -51,6 +51,86 @@ def test_fuzz_configurations_through_the_kernel(triton_backend):
     assert not rep.failures, "\n".join(rep.failures)
 
 
+@pytest.fixture
+def kernels():
+    from dsattn.sparse_mla import triton as kernels
+    return kernels
+
+
+@pytest.fixture
+def launches(kernels, monkeypatch):
+    """Records each kernel call's packed flag, so a test can assert the kernel (not the fallback) ran."""
+    seen = []
+    run = kernels.forward
+
+    def spy(P, *a, **kw):
+        seen.append(P.ori.decode is not None)
+        return run(P, *a, **kw)
+    monkeypatch.setattr(kernels, "forward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("ratio", [1, 4, 128], ids=["SWA", "CSA", "HCA"])
+def test_split_k_matches_the_golden_and_the_whole_row_kernel(ratio, dtype, kernels, triton_backend, monkeypatch):
+    """Split-K (max pass, partial sums against the row maximum, merge adding the sink once) keeps the
+    golden's rounding points, so it meets the plain rule (not only the split-row one) and equals the
+    whole-row kernel up to fp32 summation order."""
+    c = cases.mla_case("TND", ratio, dtype, paged=True, seed=_seed())
+    q, kw = _to(c, DEVICE)
+    whole, whole_lse = ops.sparse_flash_mla(q, return_softmax_lse=True, **kw)
+    monkeypatch.setattr(kernels, "choose_splits", lambda *a: 3)
+    out, lse = ops.sparse_flash_mla(q, return_softmax_lse=True, **kw)
+    want, want_lse = reference.sparse_flash_mla(c.q, return_softmax_lse=True, compute_dtype=torch.float64
+                                                if dtype == torch.float32 else None, **c.kwargs)
+    close = testing.fp32_math_close if dtype == torch.float32 else testing.compare
+    assert close(out.cpu(), want) and close(lse.cpu(), want_lse)
+    assert torch.allclose(out.float(), whole.float(), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(lse, whole_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_split_factor_comes_from_shapes_only(kernels):
+    assert kernels.choose_splits(rows=512, head_blocks=4, width=8192, sms=132) == 1      # prefill: full device
+    assert kernels.choose_splits(rows=1, head_blocks=4, width=8192, sms=132) == 32       # keys bound it
+    assert kernels.choose_splits(rows=32, head_blocks=4, width=1 << 20, sms=132) == 3    # two waves
+    assert kernels.choose_splits(rows=1, head_blocks=1, width=200, sms=132) == 1         # too few keys
+    assert kernels.choose_splits(rows=1, head_blocks=1, width=1 << 22, sms=132) == 64    # capped
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split"])
+def test_packed_rows_are_dequantised_in_the_kernel(splits, kernels, launches, triton_backend, monkeypatch):
+    """sparse_attn_sharedkv_packed: int8 / fp8 rows (604 / 656-style layouts, random tiles and rope
+    widths), 0xFF bytes in every unread row, dequantised inside the kernel (not by the fallback)."""
+    monkeypatch.setattr(kernels, "choose_splits", lambda *a: splits)
+    base = _seed() % 10**6
+    rep = fuzz.check_seeds("packed", range(base, base + 8))
+    assert not rep.failures, "\n".join(rep.failures)
+    assert any(launches), "no packed call reached the kernel"
+
+
+@pytest.mark.parametrize("payload", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_v4_packed_layout_through_the_kernel(payload, launches, triton_backend):
+    """The V4 604-byte row (448 quantised + 64 rope + 7 scales) over a paged cache, decode rows."""
+    from dsattn import quant
+    torch.manual_seed(_seed())
+    B, H, D, bs, nb = 2, 16, 512, 16, 6
+    kv = torch.randn(nb, bs, 1, D) * 2
+    packed = quant.quantize_kv_rows(kv, 64, payload, tile_size=64)
+    assert packed.size(-1) == 604
+    table = torch.tensor([[3, 0, 5], [1, 4, -1]], dtype=torch.int32)
+    lens = torch.tensor([40, 29], dtype=torch.int32)
+    q = torch.randn(B, H, D).to(torch.bfloat16)
+    sinks = torch.randn(H)
+    args = dict(ori_kv=packed, ori_block_table=table, seqused_kv=lens, sinks=sinks, softmax_scale=D ** -0.5,
+                cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32), layout_q="TND", layout_kv="PA_ND",
+                ori_win_left=31, kv_rope_dim=64, kv_tile_size=64)
+    out, _ = ops.sparse_attn_sharedkv_packed(q.to(DEVICE), **{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+                                                              for k, v in args.items()})
+    assert launches == [True]
+    want, _ = reference.sparse_attn_sharedkv_packed(q, **args)
+    assert testing.compare(out.cpu(), want)
+
+
 def test_no_key_and_infinite_sinks(triton_backend):
     c = cases.no_key_case("TND", True, 4, 4, torch.bfloat16)
     q, kw = _to(c, DEVICE)
@@ -70,26 +150,115 @@ SHARED_LIMIT = {f"{backend}:{arch}": limits[0] for (backend, arch), limits in gp
 
 
 def test_ahead_of_time_compilation_for_nvidia_and_amd():
-    """The V4 / V3.2 bf16 configurations compile for sm_90 and gfx942 within shared memory, V4's 512
-    without spills (``python -m dsattn.gpu_static --quick``; the full matrix: ``dsattn bench --family gpu --static``)."""
+    """The V4 / V3.2 bf16 configurations of the whole-row, split (partial sums), merge and fp8-packed
+    kernels compile for sm_90 and gfx942 within shared memory and without spills
+    (``python -m dsattn.gpu_static --quick``; the full matrix: ``dsattn bench --family gpu --static``)."""
     res = gpu_static.run_in_subprocess(quick=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = gpu_static.parse_table(res.stdout)
-    assert len(rows) == 4, res.stdout
+    assert len(rows) == 2 * (4 * 2 + 1 + 1 + 1), res.stdout    # targets x (4 x 2 head dims + bwd + qsfa + indexer)
     for row in rows:
         assert 0 < int(row["shared"]) <= SHARED_LIMIT[row["target"]], row
-        if row["head_dim"] == "512":                  # V4: no spill on either vendor (V3.2's 576 on NVIDIA: open)
-            assert row["spills"] == "0", row
+        assert row["spills"] == "0", row
 
 
 @pytest.mark.slow
 def test_full_compile_matrix():
-    """Every configuration the dispatcher selects (16 / 64 / 128 heads x 512 / 576 x bf16 / fp16 / fp32) for
+    """Every configuration the dispatcher selects (whole-row / split / merge / packed forward and the
+    gradient at 16 / 64 / 128 heads x 512 / 576 x bf16 / fp16 / fp32, the indexer's score kernel) for
     sm_90, sm_80 and gfx942: it compiles within shared memory; the table (spills included) is what
     ``dsattn bench --family gpu --static`` records."""
     res = gpu_static.run_in_subprocess(quick=False, timeout=3600)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = gpu_static.parse_table(res.stdout)
-    assert len(rows) == 3 * 18, res.stdout
+    assert len(rows) == len(gpu_static.TARGETS) * len(gpu_static.configurations(quick=False)), res.stdout
     for row in rows:
         assert 0 < int(row["shared"]) <= SHARED_LIMIT[row["target"]], row
+
+
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto", "split"])
+def test_kv_quant_attention_dequantises_in_the_kernel(splits, triton_backend, monkeypatch):
+    """kv_quant_sparse_flash_attention: 656 / 528-byte int8 / fp8 rows (0xFF in unread rows), sparse
+    blocks, causal and not, sinks; outputs and softmax_max / softmax_sum against the golden."""
+    from dsattn.kv_quant_attn import triton as qsfa_kernels
+    seen, run = [], qsfa_kernels.forward
+
+    def spy(P, want_stats):
+        seen.append(1)
+        return run(P, want_stats, splits=splits)
+    monkeypatch.setattr(qsfa_kernels, "forward", spy)
+    base = _seed() % 10**6
+    rep = fuzz.check_seeds("qsfa", range(base, base + 10))
+    assert not rep.failures, "\n".join(rep.failures)
+    assert len(seen) == 10
+
+
+@pytest.fixture
+def backward_launches(kernels, monkeypatch):
+    seen = []
+    run = kernels.backward
+
+    def spy(*a, **kw):
+        seen.append(1)
+        return run(*a, **kw)
+    monkeypatch.setattr(kernels, "backward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("ratio", [1, 4, 128], ids=["SWA", "CSA", "HCA"])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_backward_kernel_matches_the_golden(layout, ratio, dtype, backward_launches, triton_backend):
+    """dq, dori_kv, dcmp_kv (fp32 atomics), dsinks and the L1-norm outputs against the golden gradient;
+    NaN in every unread KV row and in padding rows of q / dout / attn_out (mla_case)."""
+    c = cases.mla_case(layout, ratio, dtype, seed=_seed())
+    q, kw = _to(c, DEVICE)
+    out, lse = ops.sparse_flash_mla(q, return_softmax_lse=True, **kw)
+    dout = c.extra["dout"].to(DEVICE)
+    got = ops.sparse_flash_mla_grad(q, dout, out, lse, **kw)
+    assert backward_launches
+    ref = dict(compute_dtype=torch.float64) if dtype == torch.float32 else {}
+    want = reference.sparse_flash_mla_grad(c.q, dout.cpu(), out.cpu(), lse.cpu(), **ref, **c.kwargs)
+    close = testing.fp32_math_close if dtype == torch.float32 else testing.compare
+    for name, g, w in zip(("dq", "dori_kv", "dcmp_kv", "dsinks", "ori_l1", "cmp_l1"), got, want):
+        if w.numel():
+            assert close(g.cpu(), w), (name, close(g.cpu(), w))
+
+
+def test_backward_fuzz_through_the_kernel(backward_launches, triton_backend):
+    base = _seed() % 10**6
+    rep = fuzz.check_seeds("mla", range(base, base + 10))
+    assert not rep.failures, "\n".join(rep.failures)
+    assert backward_launches
+
+
+@pytest.fixture
+def indexer_launches(monkeypatch):
+    from dsattn.indexer import triton as indexer_kernels
+    seen = []
+    run = indexer_kernels.lightning_indexer
+
+    def spy(*a, **kw):
+        seen.append(1)
+        return run(*a, **kw)
+    monkeypatch.setattr(indexer_kernels, "lightning_indexer", spy)
+    return seen
+
+
+def test_indexer_kernel_matches_the_golden(indexer_launches, triton_backend):
+    """Random layouts (BSND / TND / paged with NaN in unread pages), ratios, mask modes, -1 padding,
+    offsets, top-k beyond the keys: the Triton scores, selected with the golden's tie rule."""
+    base = _seed() % 10**6
+    rep = fuzz.check_seeds("indexer", range(base, base + 30))
+    assert not rep.failures, "\n".join(rep.failures)
+    assert len(indexer_launches) == 30
+
+
+def test_indexer_scores_a_bounded_number_of_rows_at_a_time(indexer_launches, triton_backend, monkeypatch):
+    """With a score budget of a few rows the results are unchanged: memory is the budget, not rows x keys."""
+    from dsattn.indexer import triton as indexer_kernels
+    monkeypatch.setattr(indexer_kernels, "SCORE_BUDGET", 3 * 4 * 64)
+    base = _seed() % 10**6
+    rep = fuzz.check_seeds("indexer", range(base, base + 8))
+    assert not rep.failures, "\n".join(rep.failures)
+    assert indexer_launches

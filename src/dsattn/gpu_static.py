@@ -21,10 +21,29 @@ from dataclasses import dataclass
 # target -> (shared memory per block limit, per SM; registers per SM; max warps per SM)
 TARGETS = {("cuda", 90): (227 * 1024, 228 * 1024, 65536, 64), ("cuda", 80): (163 * 1024, 164 * 1024, 65536, 64),
            ("hip", "gfx942"): (64 * 1024, 64 * 1024, 512 * 64 * 4, 32)}
-SIGNATURE = {"Q": "*{t}", "KO": "*{t}", "KC": "*{t}", "A": "*i64", "SINK": "*fp32", "OUT": "*{t}", "LSE": "*fp32",
-             "stride_qr": "i64", "stride_qh": "i64", "stride_or": "i64", "stride_oh": "i64", "stride_ar": "i64",
-             "H": "i32", "D": "i32", "W": "i32", "WO": "i32", "scale": "fp32"}
+FWD_SIGNATURE = {"Q": "*{t}", "K": "*{k}", "A": "*i64", "SINK": "*fp32", "OUT": "*{t}",
+                 "LSE": "*fp32", "SUM": "*fp32", "MP": "*fp32", "CP": "*i32", "LP": "*fp32", "ACCP": "*fp32",
+                 "stride_qr": "i64", "stride_qh": "i64", "stride_or": "i64", "stride_oh": "i64", "stride_ar": "i64",
+                 "H": "i32", "D": "i32", "W": "i32", "CHUNK": "i32", "NSPLIT": "i32", "N": "i32", "ROPE": "i32",
+                 "scale": "fp32"}
+MERGE_SIGNATURE = {"SINK": "*fp32", "OUT": "*{t}", "LSE": "*fp32", "SUM": "*fp32", "MP": "*fp32", "CP": "*i32", "LP": "*fp32",
+                   "ACCP": "*fp32", "stride_or": "i64", "stride_oh": "i64", "H": "i32", "D": "i32", "NSPLIT": "i32"}
 TYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+# kernel variants the dispatcher launches: name -> (kernel, phase, packed payload)
+VARIANTS = {"mla_fwd": ("fwd", 0, None), "mla_split_max": ("fwd", 1, None), "mla_split_pv": ("fwd", 2, None),
+            "mla_merge": ("merge", None, None), "mla_fwd_int8": ("fwd", 0, "i8"), "mla_fwd_fp8": ("fwd", 0, "u8"),
+            "mla_split_pv_fp8": ("fwd", 2, "u8"), "mla_bwd": ("bwd", None, None),
+            "qsfa_fwd_int8": ("qsfa", 0, "i8"), "qsfa_fwd_fp8": ("qsfa", 0, "u8")}
+BWD_SIGNATURE = {"Q": "*{t}", "DO": "*{t}", "O": "*{t}", "LSE": "*fp32", "K": "*{t}", "A": "*i64", "G": "*i64",
+                 "VALID": "*i8", "SINK": "*fp32", "DQ": "*{t}", "DKV": "*fp32", "DSINK": "*fp32", "PM": "*fp32",
+                 **{f"stride_{x}": "i64" for x in ("qr", "qh", "dor", "doh", "or", "oh", "dqr", "dqh", "ar")},
+                 "H": "i32", "D": "i32", "W": "i32", "scale": "fp32", "inv_h": "fp32"}
+INDEXER_SIGNATURE = {"Q": "*{t}", "K": "*{t}", "WT": "*fp32", "BATCH": "*i32", "NV": "*i32", "BASE": "*i64",
+                     "BT": "*i32", "OUT": "*fp32", "stride_qr": "i64", "stride_qh": "i64", "stride_wr": "i64",
+                     "stride_key": "i64", "stride_blk": "i64", "stride_bt": "i64", "stride_or": "i64", "H": "i32",
+                     "D": "i32", "W": "i32", "BS": "i32"}
+INDEXER_VARIANTS = ("indexer_score", "indexer_score_paged")
+SPLITS = 16            # the compiled split bound (SPLITS constexpr) of the split / merge variants
 
 
 @dataclass
@@ -45,11 +64,19 @@ class Row:
 
 
 def configurations(quick: bool):
-    """(heads, head dim, dtype) the dispatcher sees: V4 (512) and V3.2 (576) at 64 / 128 heads."""
+    """(variant, heads, head dim, dtype) the dispatcher sees: V4 (512) and V3.2 (576) at 16 / 64 / 128
+    heads (the launch configuration depends on the head dim and dtype, the grid on the heads)."""
     dims = (512, 576)
     heads = (64,) if quick else (16, 64, 128)
     dtypes = ("bf16",) if quick else ("bf16", "fp16", "fp32")
-    return [(h, d, t) for h in heads for d in dims for t in dtypes]
+    variants = (("mla_fwd", "mla_split_pv", "mla_merge", "mla_fwd_fp8", "mla_bwd", "qsfa_fwd_fp8") if quick
+                else tuple(VARIANTS))
+    # the gradient kernel is dispatched for head dims without a tail only (512, not 576); QSFA's rows
+    # are V3.2's 656 bytes (key 576 = 512 + rope 64, value 512) in half precision
+    mla = [(v, h, d, t) for v in variants for h in heads for d in dims for t in dtypes
+           if not (v == "mla_bwd" and d != 512) and not (v.startswith("qsfa") and (d != 576 or t == "fp32"))]
+    # the indexer: V4's 64 heads of dim 128 (V3.2: the same)
+    return mla + [(v, 64, 128, t) for v in (INDEXER_VARIANTS[1:] if quick else INDEXER_VARIANTS) for t in dtypes]
 
 
 def _ptxas_usage(ptx: str, arch: int):
@@ -75,21 +102,50 @@ def _amd_usage(asm: str):
     return (int(vgpr.group(1)) if vgpr else None), (int(scratch.group(1)) if scratch else None)
 
 
-def compile_one(heads: int, head_dim: int, dtype: str, target) -> Row:
+def _kernel_spec(variant: str, heads: int, head_dim: int, dtype: str, backend: str, arch):
+    """(kernel, signature, constexprs, warps, stages, block label) of one dispatcher configuration."""
     import torch
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    if variant in INDEXER_VARIANTS:
+        from .indexer.triton import indexer_score_kernel, launch_config as indexer_config
+        cfg = indexer_config(heads, head_dim, backend)
+        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+        consts = dict(PAGED=variant.endswith("paged"), DOT_FP32=dtype == "fp32", **cfg)
+        return (indexer_score_kernel, dict(INDEXER_SIGNATURE), consts, warps, stages,
+                f"H{cfg['BLOCK_H']} N{cfg['BLOCK_N']} D{cfg['BLOCK_D']}", None)
+    from .sparse_mla.triton import (launch_config, sparse_mla_bwd_kernel, sparse_mla_fwd_kernel,
+                                    sparse_mla_merge_kernel)
+    kind, phase, payload = VARIANTS[variant]
+    cfg = launch_config(heads, head_dim, tdtype, backend, packed=payload is not None)
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    block = f"H{cfg['BLOCK_H']} N{cfg['BLOCK_N']} D{cfg['DA']}+{cfg['DB']}"
+    if kind == "bwd":
+        consts = dict(HAS_SINK=True, DOT_FP32=dtype == "fp32", BF16_BY_BITS=False,
+                      **{k: cfg[k] for k in ("BLOCK_H", "BLOCK_N", "DA", "DB")})
+        return sparse_mla_bwd_kernel, dict(BWD_SIGNATURE), consts, warps, 1, block, None
+    if kind == "merge":
+        consts = dict(SPLITS=SPLITS, HAS_SINK=True, BLOCK_H=cfg["BLOCK_H"], DA=cfg["DA"], DB=cfg["DB"],
+                      VALUE_TAIL=True, STATS=False)
+        return sparse_mla_merge_kernel, dict(MERGE_SIGNATURE), consts, 4, 1, block, None
+    qsfa = kind == "qsfa"
+    consts = dict(PHASE=phase, SPLITS=1 if phase == 0 else SPLITS, HAS_SINK=True, DOT_FP32=dtype == "fp32",
+                  BF16_BY_BITS=False, PACKED=payload is not None,
+                  FP8=0 if payload != "u8" else (2 if backend == "cuda" and arch >= 89 else 1),
+                  ROPE_BF16=dtype != "fp16", TILE=64 if head_dim == 512 else 128, VALUE_TAIL=not qsfa, STATS=qsfa,
+                  **cfg)
+    return sparse_mla_fwd_kernel, dict(FWD_SIGNATURE), consts, warps, stages, block, payload
+
+
+def compile_one(variant: str, heads: int, head_dim: int, dtype: str, target) -> Row:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .sparse_mla.triton import launch_config, sparse_mla_fwd_kernel
-    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     backend, arch = target
-    cfg = launch_config(heads, head_dim, tdtype, backend)
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    consts = dict(HAS_SINK=True, DOT_FP32=dtype == "fp32", BF16_BY_BITS=False, **cfg)
-    sig = {k: v.format(t=TYPES[dtype]) for k, v in SIGNATURE.items()}
+    fn, sig, consts, warps, stages, block, payload = _kernel_spec(variant, heads, head_dim, dtype, backend, arch)
+    sig = {k: v.format(t=TYPES[dtype], k=payload or TYPES[dtype]) for k, v in sig.items()}
     sig.update({k: "constexpr" for k in consts})
-    compiled = triton.compile(ASTSource(sparse_mla_fwd_kernel, sig, consts),
+    compiled = triton.compile(ASTSource(fn, sig, consts),
                               target=GPUTarget(backend, arch, 32 if backend == "cuda" else 64),
                               options={"num_warps": warps, "num_stages": stages})
     md = compiled.metadata
@@ -105,16 +161,15 @@ def compile_one(heads: int, head_dim: int, dtype: str, target) -> Row:
         blocks = min(sm_regs // per_block_regs, sm_shared // max(md.shared, 1), sm_warps // md.num_warps)
         occ = blocks * md.num_warps / sm_warps
     ok = md.shared <= block_limit and spills == 0          # unknown spills are not "ok"
-    block = f"H{cfg['BLOCK_H']} N{cfg['BLOCK_N']} D{cfg['DA']}+{cfg['DB']}"
-    return Row("sparse_mla_fwd", f"{backend}:{arch}", heads, head_dim, dtype, block, md.shared, md.num_warps,
+    return Row(variant, f"{backend}:{arch}", heads, head_dim, dtype, block, md.shared, md.num_warps,
                md.num_stages, regs, spills, occ, ok)
 
 
 def matrix(quick: bool, targets=None) -> list[Row]:
     rows = []
     for target in targets or TARGETS:
-        for h, d, t in configurations(quick):
-            rows.append(compile_one(h, d, t, target))
+        for v, h, d, t in configurations(quick):
+            rows.append(compile_one(v, h, d, t, target))
     return rows
 
 
@@ -144,7 +199,7 @@ def parse_table(text: str) -> list[dict]:
     keys = ("kernel", "target", "heads", "head_dim", "dtype", "block", "shared", "warps", "stages", "registers",
             "spills", "occupancy", "ok")
     return [dict(zip(keys, (c.strip() for c in line.strip().strip("|").split("|"))))
-            for line in text.splitlines() if line.startswith("| sparse_mla_fwd")]
+            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| kernel ")]
 
 
 def main(argv=None) -> int:

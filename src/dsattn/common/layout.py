@@ -161,6 +161,7 @@ class KVSource:
     # Packed (quantised) rows: ``decode`` turns gathered rows into keys of width ``decoded_dim``.
     decode: Callable[[torch.Tensor], torch.Tensor] | None = None
     decoded_dim: int | None = None
+    packed: object | None = None    # the dsattn.quant.PackedKV layout of the rows (kernels that decode in place)
 
     @property
     def D(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backend import use_triton
 from ..common.softmax import round_q
 from .problem import IndexerProblem, kl_valid_slots
 
@@ -23,14 +24,33 @@ def _zero_rows(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return torch.where(ok.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def select_topk(score: torch.Tensor, n: torch.Tensor, topk: int, offset: torch.Tensor | None):
+    """The ``topk`` best of each row's scores ``[r, W]`` (-inf past its ``n`` selectable keys) by a
+    stable descending sort (ties: lower key index first) -> ``(indices int32, values float32)``,
+    -1 / -inf past ``min(n, topk)``; ``offset`` ``[r]`` is added to the kept indices."""
+    dev = score.device
+    if score.size(1) < topk:
+        score = torch.nn.functional.pad(score, (0, topk - score.size(1)), value=float("-inf"))
+    sv, si = torch.sort(score, dim=-1, descending=True, stable=True)
+    keep = torch.arange(topk, device=dev)[None, :] < torch.clamp(n, max=topk)[:, None]
+    si = si[:, :topk]
+    if offset is not None:
+        si = si + offset[:, None]
+    return (torch.where(keep, si, torch.full((), -1, device=dev)).to(torch.int32),
+            torch.where(keep, sv[:, :topk], torch.full((), float("-inf"), device=dev)))
+
+
 def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None):
     """Returns ``(indices [R, topk] int32, values [R, topk] float32)`` over flattened rows."""
+    if use_triton(P.q.device):
+        from . import triton as triton_kernels                # imported only when Triton runs
+        if triton_kernels.supports(P):
+            return triton_kernels.lightning_indexer(P, topk, offset)
     dev = P.q.device
     R, W = P.rows.R, P.k.capacity
     qf = P.rows.flat(P.q)
     idx_out = torch.empty(R, topk, dtype=torch.int32, device=dev)
     val_out = torch.empty(R, topk, dtype=torch.float32, device=dev)
-    slot = torch.arange(topk, device=dev)
     step = P.rows_per_block(W)
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
@@ -44,15 +64,7 @@ def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None)
         s = torch.relu(torch.einsum("rhd,rwd->rhw", qb, keys))
         score = torch.einsum("rh,rhw->rw", wb, s)
         score = torch.where(mask, score, torch.full((), float("-inf"), device=dev))
-        if W < topk:
-            score = torch.nn.functional.pad(score, (0, topk - W), value=float("-inf"))
-        sv, si = torch.sort(score, dim=-1, descending=True, stable=True)
-        keep = slot[None, :] < torch.clamp(n, max=topk)[:, None]
-        si = si[:, :topk]
-        if offset is not None:
-            si = si + offset[t0:t1, None]
-        idx_out[t0:t1] = torch.where(keep, si, torch.full((), -1, device=dev)).to(torch.int32)
-        val_out[t0:t1] = torch.where(keep, sv[:, :topk], torch.full((), float("-inf"), device=dev))
+        idx_out[t0:t1], val_out[t0:t1] = select_topk(score, n, topk, None if offset is None else offset[t0:t1])
     return idx_out, val_out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backend import use_triton
 from ..common.checks import content_checks_enabled
 from ..common.softmax import round_q, softmax_with_sink
 from ..quant.rows import KV_LORA_RANK, TILE_SIZE, unpack_kv_rows
@@ -44,6 +45,10 @@ def _rows_per_block(P: QsfaProblem) -> int:
 
 
 def forward(P: QsfaProblem, want_stats: bool):
+    if use_triton(P.query.device):
+        from . import triton as triton_kernels                # imported only when Triton runs
+        if triton_kernels.supports(P):
+            return triton_kernels.forward(P, want_stats)
     q = P.query
     qf = P.rows.flat(q)
     R, H, _ = qf.shape

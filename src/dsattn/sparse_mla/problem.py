@@ -260,7 +260,7 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
     if packed is not None:
         for src in (ori, cmp):
             if src is not None:
-                src.decode, src.decoded_dim = packed.decoder(q.dtype), D
+                src.decode, src.decoded_dim, src.packed = packed.decoder(q.dtype), D, packed
     cmp_len = _cmp_topk_length(cmp_topk_length, cmp_sparse_indices, q, rows, layout_q, content)
     return MlaProblem(q, rows, ori, cmp,
                       None if cmp_sparse_indices is None else rows.flat(cmp_sparse_indices)[:, 0],

@@ -1,0 +1,110 @@
+"""Triton score kernel of ``lightning_indexer`` (issue 13, item 4).
+
+A program scores one query row against a block of ``BLOCK_N`` keys: ``q [H, D] · k [BLOCK_N, D]^T``
+(heads are the M dimension, fp32 accumulation), ReLU, then the head sum weighted by ``w`` -- the
+fast path's fp32 arithmetic.  Key addresses are computed in the kernel from the row's batch
+(BSND / TND row bases, or the paged block table), so no ``[rows, keys, D]`` gather and no
+``[rows, keys]`` address list exist.  Scores of a bounded number of rows at a time
+(``SCORE_BUDGET`` bytes) are then selected by :func:`dsattn.indexer.fast.select_topk` (a stable
+sort: ties to the lower key index, the golden's rule), so peak memory is that budget plus the
+outputs, whatever the context length.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fast import select_topk
+from .problem import IndexerProblem
+
+SCORE_BUDGET = 64 << 20      # bytes of fp32 scores per launch (rows x keys)
+
+
+@triton.jit
+def indexer_score_kernel(Q, K, WT, BATCH, NV, BASE, BT, OUT,
+                         stride_qr, stride_qh, stride_wr, stride_key, stride_blk, stride_bt, stride_or,
+                         H, D, W, BS,
+                         PAGED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         DOT_FP32: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    x = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nv = tl.load(NV + r)
+    valid = x < nv
+    offs_h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    if PAGED:
+        b = tl.load(BATCH + r).to(tl.int64)
+        blk = tl.load(BT + b * stride_bt + x // BS, mask=valid, other=0).to(tl.int64)
+        off = blk * stride_blk + (x % BS) * stride_key
+    else:
+        off = tl.load(BASE + r) + x.to(tl.int64) * stride_key
+    k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
+    q = tl.load(Q + r * stride_qr + offs_h[:, None] * stride_qh + d[None, :],
+                mask=(offs_h[:, None] < H) & (d[None, :] < D), other=0.0)
+    if DOT_FP32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    w = tl.load(WT + r * stride_wr + offs_h, mask=offs_h < H, other=0.0)
+    score = tl.sum(w[:, None] * tl.maximum(s, 0.0), 0)
+    tl.store(OUT + r * stride_or + x, tl.where(valid, score, float("-inf")), mask=x < W)
+
+
+def launch_config(H: int, D: int, backend: str = "cuda") -> dict:
+    """All heads in one program (the indexer has at most 64), 64 keys per program; 8 warps (NVIDIA:
+    with 4 the paged variant's address arithmetic spills on sm_90), 4 waves of 64 on AMD."""
+    return dict(BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=64,
+                num_warps=8 if backend == "cuda" else 4, num_stages=2)
+
+
+def supports(P: IndexerProblem) -> bool:
+    return P.q.size(-2) <= 128 and P.q.size(-1) <= 512 and P.k.tensor.stride(-1) == 1
+
+
+def _row_bases(P: IndexerProblem, b: torch.Tensor) -> torch.Tensor:
+    """Element offset of key 0 of each row's request (BSND / TND; paged rows use the table)."""
+    t = P.k.tensor
+    if P.k.layout == "TND":
+        return P.k.cu[b] * t.stride(0)
+    return b * t.stride(0)
+
+
+def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None):
+    """Returns ``(indices [R, topk] int32, values [R, topk] float32)`` over flattened rows."""
+    q, dev = P.q, P.q.device
+    R, W = P.rows.R, P.k.capacity
+    qf = P.rows.flat(q)
+    if qf.stride(-1) != 1:
+        qf = qf.contiguous()
+    H, D = qf.size(1), qf.size(2)
+    interpreted = dev.type == "cpu"
+    cfg = launch_config(H, D)
+    t = P.k.tensor
+    paged = P.k.layout not in ("BSND", "TND")
+    key_stride = t.stride(0) if P.k.layout == "TND" else t.stride(1)
+    bt = P.k.block_table if paged else P.rows.batch
+    idx_out = torch.empty(R, topk, dtype=torch.int32, device=dev)
+    val_out = torch.empty(R, topk, dtype=torch.float32, device=dev)
+    step = max(1, min(R, SCORE_BUDGET // (4 * max(W, 1)))) if R else 1
+    w = P.w if P.w.stride(-1) == 1 else P.w.contiguous()
+    for t0 in range(0, R, step):
+        t1 = min(R, t0 + step)
+        b = P.rows.batch[t0:t1]
+        n = P.num_valid(t0, t1)
+        if P.content and paged:          # a needed table entry of -1 raises, as on the PyTorch path
+            x = torch.arange(W, device=dev)[None, :]
+            P.k.locate(b[:, None], x, x < n[:, None], check=True)
+        score = torch.empty(t1 - t0, max(W, 1), dtype=torch.float32, device=dev)
+        if W:
+            grid = (t1 - t0, triton.cdiv(W, cfg["BLOCK_N"]))
+            indexer_score_kernel[grid](qf[t0:t1], t, w[t0:t1], b.to(torch.int32).contiguous(),
+                                       n.to(torch.int32).contiguous(), _row_bases(P, b).contiguous(), bt, score,
+                                       qf.stride(0), qf.stride(1), w.stride(0), key_stride, t.stride(0),
+                                       bt.stride(0) if paged else 0, score.stride(0), H, D, W,
+                                       t.size(1) if paged else 1, PAGED=paged, DOT_FP32=interpreted, **cfg)
+        else:
+            score.fill_(float("-inf"))
+        idx_out[t0:t1], val_out[t0:t1] = select_topk(score[:, :W] if W else score[:, :0], n, topk,
+                                                     None if offset is None else offset[t0:t1])
+    return idx_out, val_out
