@@ -33,11 +33,20 @@ TYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 VARIANTS = {"mla_fwd": ("fwd", 0, None), "mla_split_max": ("fwd", 1, None), "mla_split_pv": ("fwd", 2, None),
             "mla_merge": ("merge", None, None), "mla_fwd_int8": ("fwd", 0, "i8"), "mla_fwd_fp8": ("fwd", 0, "u8"),
             "mla_split_pv_fp8": ("fwd", 2, "u8"), "mla_bwd": ("bwd", None, None),
-            "qsfa_fwd_int8": ("qsfa", 0, "i8"), "qsfa_fwd_fp8": ("qsfa", 0, "u8")}
+            "qsfa_fwd_int8": ("qsfa", 0, "i8"), "qsfa_fwd_fp8": ("qsfa", 0, "u8"),
+            "plan_walk": ("plan", None, None), "plan_walk_fp8": ("plan", None, "u8"), "fd_merge": ("fd", None, None)}
 BWD_SIGNATURE = {"Q": "*{t}", "DO": "*{t}", "O": "*{t}", "LSE": "*fp32", "K": "*{t}", "A": "*i64", "G": "*i64",
                  "VALID": "*i8", "SINK": "*fp32", "DQ": "*{t}", "DKV": "*fp32", "DSINK": "*fp32", "PM": "*fp32",
                  **{f"stride_{x}": "i64" for x in ("qr", "qh", "dor", "doh", "or", "oh", "dqr", "dqh", "ar")},
                  "H": "i32", "D": "i32", "W": "i32", "scale": "fp32", "inv_h": "fp32"}
+PLAN_SIGNATURE = {"TABLE": "*i32", "Q": "*{t}", "K": "*{k}", "A": "*i64", "ROW_LO": "*i32", "N_M": "*i32",
+                  "REC_FIRST": "*i32", "REC_WIN_END": "*i32", "REC_S2_END": "*i32", "Q_START": "*i32", "SINK": "*fp32",
+                  "OUT": "*{t}", "WS_M": "*fp32", "WS_L": "*fp32", "WS_ACC": "*fp32",
+                  **{f"stride_{x}": "i64" for x in ("qr", "qh", "or", "oh", "ar")},
+                  "G": "i32", "MB": "i32", "M_MAX": "i32", "D": "i32", "WO": "i32", "WC": "i32", "N": "i32",
+                  "ROPE": "i32", "scale": "fp32"}
+FD_SIGNATURE = {"TABLE": "*i32", "Q_START": "*i32", "SINK": "*fp32", "OUT": "*{t}", "WS_M": "*fp32", "WS_L": "*fp32",
+                "WS_ACC": "*fp32", "stride_or": "i64", "stride_oh": "i64", "G": "i32", "MB": "i32", "D": "i32"}
 INDEXER_SIGNATURE = {"Q": "*{t}", "K": "*{t}", "WT": "*fp32", "BATCH": "*i32", "NV": "*i32", "BASE": "*i64",
                      "BT": "*i32", "OUT": "*fp32", "stride_qr": "i64", "stride_qh": "i64", "stride_wr": "i64",
                      "stride_key": "i64", "stride_blk": "i64", "stride_bt": "i64", "stride_or": "i64", "H": "i32",
@@ -69,12 +78,14 @@ def configurations(quick: bool):
     dims = (512, 576)
     heads = (64,) if quick else (16, 64, 128)
     dtypes = ("bf16",) if quick else ("bf16", "fp16", "fp32")
-    variants = (("mla_fwd", "mla_split_pv", "mla_merge", "mla_fwd_fp8", "mla_bwd", "qsfa_fwd_fp8") if quick
-                else tuple(VARIANTS))
+    variants = (("mla_fwd", "mla_split_pv", "mla_merge", "mla_fwd_fp8", "mla_bwd", "qsfa_fwd_fp8", "plan_walk",
+                 "fd_merge") if quick else tuple(VARIANTS))
     # the gradient kernel is dispatched for head dims without a tail only (512, not 576); QSFA's rows
     # are V3.2's 656 bytes (key 576 = 512 + rope 64, value 512) in half precision
+    # the plan walk is V4's sharedkv decode: head dim 512
     mla = [(v, h, d, t) for v in variants for h in heads for d in dims for t in dtypes
-           if not (v == "mla_bwd" and d != 512) and not (v.startswith("qsfa") and (d != 576 or t == "fp32"))]
+           if not (v in ("mla_bwd", "plan_walk", "plan_walk_fp8", "fd_merge") and d != 512)
+           and not (v.startswith("qsfa") and (d != 576 or t == "fp32"))]
     # the indexer: V4's 64 heads of dim 128 (V3.2: the same)
     return mla + [(v, 64, 128, t) for v in (INDEXER_VARIANTS[1:] if quick else INDEXER_VARIANTS) for t in dtypes]
 
@@ -118,7 +129,20 @@ def _kernel_spec(variant: str, heads: int, head_dim: int, dtype: str, backend: s
     kind, phase, payload = VARIANTS[variant]
     cfg = launch_config(heads, head_dim, tdtype, backend, packed=payload is not None)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    cfg.pop("maxnreg", None)                     # a compile option (compile_one), not a constexpr
     block = f"H{cfg['BLOCK_H']} N{cfg['BLOCK_N']} D{cfg['DA']}+{cfg['DB']}"
+    if kind == "plan":
+        consts = dict(TILE=64 if head_dim == 512 else 128, PACKED=payload is not None,
+                      FP8=0 if payload != "u8" else (2 if backend == "cuda" and arch >= 89 else 1),
+                      ROPE_BF16=dtype != "fp16", LANES=16, HAS_SINK=True, DOT_FP32=dtype == "fp32", BF16_BY_BITS=False,
+                      **{k: cfg[k] for k in ("BLOCK_H", "BLOCK_N", "DA", "DB")})
+        from .sharedkv.triton import plan_walk_kernel, walk_stages
+        return (plan_walk_kernel, dict(PLAN_SIGNATURE), consts, warps,
+                walk_stages({"num_stages": stages}, payload is not None), block, payload)
+    if kind == "fd":
+        from .sharedkv.triton import fd_merge_kernel
+        consts = dict(HAS_SINK=True, BLOCK=16, BLOCK_D=128, MAX_SPLIT=64)
+        return fd_merge_kernel, dict(FD_SIGNATURE), consts, 4, 1, "P16 D128 S64", None
     if kind == "bwd":
         consts = dict(HAS_SINK=True, DOT_FP32=dtype == "fp32", BF16_BY_BITS=False,
                       **{k: cfg[k] for k in ("BLOCK_H", "BLOCK_N", "DA", "DB")})
@@ -136,6 +160,11 @@ def _kernel_spec(variant: str, heads: int, head_dim: int, dtype: str, backend: s
     return sparse_mla_fwd_kernel, dict(FWD_SIGNATURE), consts, warps, stages, block, payload
 
 
+def lifts_register_cap(variant: str) -> bool:
+    """Variants launched with ``maxnreg=255`` on NVIDIA (the attention kernels' launch_config)."""
+    return variant in VARIANTS and VARIANTS[variant][0] in ("fwd", "qsfa", "bwd", "plan")
+
+
 def compile_one(variant: str, heads: int, head_dim: int, dtype: str, target) -> Row:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -147,7 +176,9 @@ def compile_one(variant: str, heads: int, head_dim: int, dtype: str, target) -> 
     sig.update({k: "constexpr" for k in consts})
     compiled = triton.compile(ASTSource(fn, sig, consts),
                               target=GPUTarget(backend, arch, 32 if backend == "cuda" else 64),
-                              options={"num_warps": warps, "num_stages": stages})
+                              options={"num_warps": warps, "num_stages": stages,
+                                       **({"maxnreg": 255} if backend == "cuda" and lifts_register_cap(variant)
+                                          else {})})
     md = compiled.metadata
     if backend == "cuda":
         regs, spills = _ptxas_usage(compiled.asm["ptx"], arch)

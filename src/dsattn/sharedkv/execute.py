@@ -45,23 +45,28 @@ def plan_params_for(P: MlaProblem):
         fail("metadata", f"this call cannot be described by a plan: {e}")
 
 
-def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
+def read_plan(P: MlaProblem, metadata: torch.Tensor, check: bool):
+    """The plan on the host with the row records of this call; ``check``: raise ValueError naming
+    ``metadata`` when the plan does not fit the call (50 §5 invariants)."""
     pp = plan_params_for(P)
-    S1 = pp.S1
     rw = Rows(pp)
     plan = decode(metadata)
-    B, G, mb = pp.B, pp.G, pp.m_base
-    off = rw.off
-
     rows_of = functools.lru_cache(maxsize=None)(rw.views)     # the invariant check and the walk share them
-
-    if P.content:
+    if check:
         split = bool(plan.fd) or any(s[2] for s in plan.starts) or any(e[2] for e in plan.ends)
         try:
-            check_invariants(plan, rows_of, B, FA_CORES, FD_CORES, split)
+            check_invariants(plan, rows_of, pp.B, FA_CORES, FD_CORES, split)
         except AssertionError as e:
             fail("metadata", f"the plan does not fit this call (built from other lengths or attributes?): "
                  f"invariant {e}")
+    return pp, rw, plan, rows_of
+
+
+def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
+    pp, rw, plan, rows_of = read_plan(P, metadata, P.content)
+    S1 = pp.S1
+    B, G, mb = pp.B, pp.G, pp.m_base
+    off = rw.off
 
     q = P.q
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32

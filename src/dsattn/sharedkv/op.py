@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from .._registry import register
+from ..backend import use_triton
 from ..common.checks import content_checks_enabled
 from ..planner import fast as fast_planner
 from ..planner.params import TABLE_SIZE, plan_params
 from ..planner.table import encode
 from ..quant.rows import PackedKV
 from ..sparse_mla import fast
-from .execute import execute
+from .execute import execute, read_plan
 from .problem import parse_sharedkv
 
 SHAREDKV_SCHEMA = (
@@ -56,6 +57,12 @@ def _kernel(q, packed=None, **kw):
     P = parse_sharedkv(q, packed=packed, **kw)
     metadata = kw.get("metadata")
     empty = q.new_zeros((0,), dtype=torch.float32)
+    if metadata is not None and use_triton(q.device):
+        from . import triton as triton_kernels                # imported only when Triton runs
+        if triton_kernels.supports(P):
+            if _walkable(metadata, q):                        # content checks: the plan must fit the call
+                read_plan(P, metadata, check=True)
+            return triton_kernels.execute(P, metadata), empty
     if _walkable(metadata, q):
         return execute(P, metadata), empty
     out, _ = fast.forward(P, False)

@@ -219,13 +219,19 @@ def launch_config(H: int, D: int, dtype: torch.dtype, backend: str = "cuda", pac
     """Constexprs and warps the dispatcher selects for a call (also what the AOT compile matrix
     enumerates).  16 heads x 16 keys per step; NVIDIA: 8 warps (a [16 heads, 512] fp32 accumulator
     and the key tile fit in registers: 119 per thread at D 512 and 171 at 576 on sm_90, bf16, no
-    spill); AMD: 4 waves of 64 (gfx942's 512 registers per lane, no scratch).  Software pipelining
+    spill); AMD: 4 waves of 64 (gfx942's 512 registers per lane, no scratch).  ``maxnreg`` (NVIDIA
+    only) is a launch option like the warps and stages.  Software pipelining
     (stages) is dropped where its buffers would spill: fp32 key tiles (twice as large; gfx942's
     64 KB) and packed rows with a head-dim tail (576: the dequantisation's temporaries)."""
     DA, DB = head_split(D)
     lean = dtype == torch.float32 or (packed and DB > 0)
     stages = 1 if lean else (3 if backend == "cuda" else 2)
-    return dict(BLOCK_H=16, BLOCK_N=16, DA=DA, DB=DB, num_warps=8 if backend == "cuda" else 4, num_stages=stages)
+    cfg = dict(BLOCK_H=16, BLOCK_N=16, DA=DA, DB=DB, num_warps=8 if backend == "cuda" else 4, num_stages=stages)
+    if backend == "cuda":
+        # let ptxas use the registers 8 warps allow: left alone it may cap a kernel at 128 and spill
+        # (sm_80, D 512 bf16: 128 registers + 48 bytes of spill; with the cap lifted 164, none)
+        cfg["maxnreg"] = 255
+    return cfg
 
 
 def supports(P: MlaProblem) -> bool:
