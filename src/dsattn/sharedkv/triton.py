@@ -28,51 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton_lib import round_to_q, sink_logits
+from ..common.triton_lib import sink_logits
 from ..planner.params import FA_CORES, FD_CORES, S2_BASE
 from ..sparse_mla.problem import MlaProblem
-from ..sparse_mla.triton import RowAttention, _block_scores, head_split, supports as kernel_supports
+from ..sparse_mla.triton import RowAttention, head_split, range_max, range_pv, supports as kernel_supports
 
 INT64_MAX = 2 ** 63 - 1
 FD_BASE = 8 * FA_CORES
 MAX_SLOTS = 2 * FA_CORES          # a core leaves at most two partial rows (50 §4)
 S2_BASE_C: tl.constexpr = tl.constexpr(S2_BASE)
 FD_BASE_C: tl.constexpr = tl.constexpr(FD_BASE)
-
-
-@triton.jit
-def _segment_max(q_a, q_b, K, A_row, lo, hi, m_i, count, D, N, ROPE, scale, TILE: tl.constexpr,
-                 PACKED: tl.constexpr, FP8: tl.constexpr, ROPE_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DA: tl.constexpr, DB: tl.constexpr, Q_TY: tl.constexpr, BF16_BY_BITS: tl.constexpr,
-                 DOT_FP32: tl.constexpr):
-    for n0 in range(lo, hi, BLOCK_N):
-        s, ka, kb, valid = _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE, scale, BLOCK_N, DA, DB, PACKED,
-                                         FP8, ROPE_BF16, Q_TY, BF16_BY_BITS, DOT_FP32)
-        m_i = tl.maximum(m_i, tl.max(s, 1))
-        count += tl.sum(valid.to(tl.int32), 0)
-    return m_i, count
-
-
-@triton.jit
-def _segment_pv(q_a, q_b, K, A_row, lo, hi, m_safe, l_i, acc_a, acc_b, D, N, ROPE, scale, TILE: tl.constexpr,
-                PACKED: tl.constexpr, FP8: tl.constexpr, ROPE_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-                DA: tl.constexpr, DB: tl.constexpr, Q_TY: tl.constexpr, BF16_BY_BITS: tl.constexpr,
-                DOT_FP32: tl.constexpr):
-    for n0 in range(lo, hi, BLOCK_N):
-        s, ka, kb, valid = _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE, scale, BLOCK_N, DA, DB, PACKED,
-                                         FP8, ROPE_BF16, Q_TY, BF16_BY_BITS, DOT_FP32)
-        p = tl.exp(s - m_safe[:, None])
-        l_i += tl.sum(p, 1)
-        p_q = round_to_q(p, Q_TY, BF16_BY_BITS, DOT_FP32)
-        if DOT_FP32:
-            acc_a += tl.dot(p_q, ka, input_precision="ieee")
-            if DB > 0:
-                acc_b += tl.dot(p_q, kb, input_precision="ieee")
-        else:
-            acc_a += tl.dot(p_q, ka)
-            if DB > 0:
-                acc_b += tl.dot(p_q, kb)
-    return l_i, acc_a, acc_b
 
 
 @triton.jit
@@ -156,10 +121,10 @@ def plan_walk_kernel(TABLE, Q, K, A, ROW_LO, N_M, REC_FIRST, REC_WIN_END, REC_S2
                     c_hi = WO + tl.minimum(tl.maximum(S2_BASE_C * (stop - win_end), 0), WC)
                     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
                     count = tl.zeros([BLOCK_H], tl.int32)
-                    m_i, count = _segment_max(q_a, q_b, K, A_row, o_lo, o_hi, m_i, count, D, N, ROPE, scale, TILE,
-                                              PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32)
-                    m_i, count = _segment_max(q_a, q_b, K, A_row, c_lo, c_hi, m_i, count, D, N, ROPE, scale, TILE,
-                                              PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32)
+                    m_i, count = range_max(q_a, q_b, K, A_row, o_lo, o_hi, m_i, count, D, N, ROPE, scale, TILE,
+                                           PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32)
+                    m_i, count = range_max(q_a, q_b, K, A_row, c_lo, c_hi, m_i, count, D, N, ROPE, scale, TILE,
+                                           PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32)
                     sink = tl.full([BLOCK_H], float("-inf"), tl.float32)
                     finite = sink == 0.0
                     if HAS_SINK:
@@ -170,12 +135,12 @@ def plan_walk_kernel(TABLE, Q, K, A, ROW_LO, N_M, REC_FIRST, REC_WIN_END, REC_S2
                     l_i = tl.zeros([BLOCK_H], tl.float32)
                     acc_a = tl.zeros([BLOCK_H, DA], tl.float32)
                     acc_b = tl.zeros([BLOCK_H, DB if DB > 0 else 16], tl.float32)
-                    l_i, acc_a, acc_b = _segment_pv(q_a, q_b, K, A_row, o_lo, o_hi, m_safe, l_i, acc_a, acc_b, D,
-                                                    N, ROPE, scale, TILE, PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB,
-                                                    Q_TY, BF16_BY_BITS, DOT_FP32)
-                    l_i, acc_a, acc_b = _segment_pv(q_a, q_b, K, A_row, c_lo, c_hi, m_safe, l_i, acc_a, acc_b, D,
-                                                    N, ROPE, scale, TILE, PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB,
-                                                    Q_TY, BF16_BY_BITS, DOT_FP32)
+                    l_i, acc_a, acc_b = range_pv(q_a, q_b, K, A_row, o_lo, o_hi, m_safe, l_i, acc_a, acc_b, D,
+                                                 N, ROPE, scale, TILE, PACKED, FP8, ROPE_BF16, True, BLOCK_N, DA, DB,
+                                                 Q_TY, BF16_BY_BITS, DOT_FP32)
+                    l_i, acc_a, acc_b = range_pv(q_a, q_b, K, A_row, c_lo, c_hi, m_safe, l_i, acc_a, acc_b, D,
+                                                 N, ROPE, scale, TILE, PACKED, FP8, ROPE_BF16, True, BLOCK_N, DA, DB,
+                                                 Q_TY, BF16_BY_BITS, DOT_FP32)
                     if partial:              # the piece's state, without the sink, for the FD merge
                         ws = slot.to(tl.int64) * MB + (rho - rho_lo)
                         tl.store(WS_M + ws, m_i, mask=hmask)

@@ -83,6 +83,40 @@ def _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE: tl.constexpr, sc
 
 
 @triton.jit
+def range_max(q_a, q_b, K, A_row, lo, hi, m_i, count, D, N, ROPE, scale, TILE: tl.constexpr,
+              PACKED: tl.constexpr, FP8: tl.constexpr, ROPE_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+              DA: tl.constexpr, DB: tl.constexpr, Q_TY: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+              DOT_FP32: tl.constexpr):
+    """Pass 1 over key columns ``[lo, hi)`` of a row's offset list: the running maximum of the scaled
+    scores and the count of keys."""
+    for n0 in range(lo, hi, BLOCK_N):
+        s, ka, kb, valid = _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE, scale, BLOCK_N, DA, DB, PACKED,
+                                         FP8, ROPE_BF16, Q_TY, BF16_BY_BITS, DOT_FP32)
+        m_i = tl.maximum(m_i, tl.max(s, 1))
+        count += tl.sum(valid.to(tl.int32), 0)
+    return m_i, count
+
+
+@triton.jit
+def range_pv(q_a, q_b, K, A_row, lo, hi, m_safe, l_i, acc_a, acc_b, D, N, ROPE, scale, TILE: tl.constexpr,
+             PACKED: tl.constexpr, FP8: tl.constexpr, ROPE_BF16: tl.constexpr, VALUE_TAIL: tl.constexpr,
+             BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, Q_TY: tl.constexpr,
+             BF16_BY_BITS: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Pass 2 over key columns ``[lo, hi)``: P = exp(S - m), rounded to the query dtype before P·V
+    (the golden's point), the sum from the unrounded P."""
+    for n0 in range(lo, hi, BLOCK_N):
+        s, ka, kb, valid = _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE, scale, BLOCK_N, DA, DB, PACKED,
+                                         FP8, ROPE_BF16, Q_TY, BF16_BY_BITS, DOT_FP32)
+        p = tl.exp(s - m_safe[:, None])
+        l_i += tl.sum(p, 1)
+        p_q = round_to_q(p, Q_TY, BF16_BY_BITS, DOT_FP32)
+        acc_a += _dot(p_q, ka, DOT_FP32)
+        if DB > 0 and VALUE_TAIL:
+            acc_b += _dot(p_q, kb, DOT_FP32)
+    return l_i, acc_a, acc_b
+
+
+@triton.jit
 def sparse_mla_fwd_kernel(Q, K, A, SINK, OUT, LSE, SUM, MP, CP, LP, ACCP,
                           stride_qr, stride_qh, stride_or, stride_oh, stride_ar,
                           H, D, W, CHUNK, NSPLIT, N, ROPE, scale,
@@ -122,11 +156,8 @@ def sparse_mla_fwd_kernel(Q, K, A, SINK, OUT, LSE, SUM, MP, CP, LP, ACCP,
     if PHASE != 2:
         # pass 1: the maximum over the keys (and, for a whole row, the finite sink), so that P is
         # rounded against the row's global maximum exactly as the golden does (00 §8)
-        for n0 in range(lo, hi, BLOCK_N):
-            s, ka, kb, valid = _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE, scale,
-                                             BLOCK_N, DA, DB, PACKED, FP8, ROPE_BF16, Q_TY, BF16_BY_BITS, DOT_FP32)
-            m_i = tl.maximum(m_i, tl.max(s, 1))
-            count += tl.sum(valid.to(tl.int32), 0)
+        m_i, count = range_max(q_a, q_b, K, A_row, lo, hi, m_i, count, D, N, ROPE, scale, TILE, PACKED, FP8,
+                               ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32)
         if PHASE == 1:
             part = (r * NSPLIT + split) * H + offs_h
             tl.store(MP + part, m_i, mask=hmask)
@@ -144,15 +175,8 @@ def sparse_mla_fwd_kernel(Q, K, A, SINK, OUT, LSE, SUM, MP, CP, LP, ACCP,
     # pass 2: P = exp(S - m), rounded to the query dtype before P·V; l from the unrounded P
     acc_a = tl.zeros([BLOCK_H, DA], tl.float32)
     acc_b = tl.zeros([BLOCK_H, DB if DB > 0 else 16], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        s, ka, kb, valid = _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE, scale,
-                                         BLOCK_N, DA, DB, PACKED, FP8, ROPE_BF16, Q_TY, BF16_BY_BITS, DOT_FP32)
-        p = tl.exp(s - m_safe[:, None])
-        l_i += tl.sum(p, 1)
-        p_q = round_to_q(p, Q_TY, BF16_BY_BITS, DOT_FP32)
-        acc_a += _dot(p_q, ka, DOT_FP32)
-        if DB > 0 and VALUE_TAIL:
-            acc_b += _dot(p_q, kb, DOT_FP32)
+    l_i, acc_a, acc_b = range_pv(q_a, q_b, K, A_row, lo, hi, m_safe, l_i, acc_a, acc_b, D, N, ROPE, scale, TILE,
+                                 PACKED, FP8, ROPE_BF16, VALUE_TAIL, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32)
     if PHASE == 2:
         part = (r * NSPLIT + split) * H + offs_h
         tl.store(LP + part, l_i, mask=hmask)
