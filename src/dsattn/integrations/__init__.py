@@ -1,0 +1,1 @@
+"""Integrations of dsattn's operators into other libraries (optional dependencies)."""

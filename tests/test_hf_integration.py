@@ -1,0 +1,135 @@
+"""transformers' DeepSeek-V4 on dsattn (issue 14): tiny random configs built locally (no download), the
+dsattn-enabled model against the model's own eager attention."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache  # noqa: E402
+
+from dsattn.integrations import transformers as dsattn_hf  # noqa: E402
+
+HCA, CSA = "heavily_compressed_attention", "compressed_sparse_attention"
+
+
+def tiny(layer_types, *, window=16, topk=8, hca_ratio=16, seed=0, dtype=torch.float32):
+    """Every attention feature at toy width.  32 indexer heads: with few heads many scores are exactly 0
+    (every ReLU 0), and torch.topk breaks such ties in no specified order while dsattn takes the lower
+    index (10 §1.5), so a tie would be a legitimate difference, not a bug."""
+    cfg = DeepseekV4Config(
+        vocab_size=97, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, head_dim=32, q_lora_rank=48, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, sliding_window=window, o_groups=2, o_lora_rank=24, index_n_heads=32, index_head_dim=16,
+        index_topk=topk, hc_mult=2, layer_types=list(layer_types),
+        compress_rates={CSA: 4, HCA: hca_ratio}, max_position_embeddings=4096, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():                       # the init zeroes these: a zero sink / bias tests nothing
+        for name, p in model.named_parameters():
+            if name.endswith("sinks") or name.endswith("position_bias"):
+                p.normal_()
+    return model
+
+
+def _ids(batch, length, seed=1):
+    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _both(model, fn):
+    """``fn(model)`` with the model's eager attention, then with dsattn (left disabled afterwards)."""
+    want = fn(model)
+    dsattn_hf.enable(model)
+    try:
+        got = fn(model)
+    finally:
+        dsattn_hf.disable(model)
+    return want, got
+
+
+def _logits(ids):
+    def run(model):
+        with torch.no_grad():
+            return model(ids, use_cache=False).logits
+    return run
+
+
+@pytest.mark.parametrize("layers,window,topk", [
+    ((HCA,), 16, 8),              # 18 HCA entries, window smaller than the prompt
+    ((CSA,), 16, 8),              # 75 compressed entries, top-8
+    ((CSA,), 16, 512),            # top-k larger than the entries
+    ((HCA, CSA, CSA), 512, 8),    # window larger than the prompt
+], ids=["HCA", "CSA-top8", "CSA-top512", "mixed-wide-window"])
+def test_single_forward_matches_eager_fp32(layers, window, topk):
+    model = tiny(layers, window=window, topk=topk)
+    want, got = _both(model, _logits(_ids(2, 300)))
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+
+
+def test_bf16_forward_is_as_close_to_fp32_as_eager_bf16():
+    """In bf16 the two paths round at different points (eager: softmax in bf16 over the window and every
+    compressed entry; dsattn: the spec's fp32 statistics, P rounded before P·V), so after several layers
+    neither equals the other to the op-level bf16 rule.  The fair check: against the same model in fp32,
+    dsattn's bf16 logits are no further off than eager's bf16 logits (max and mean error, 25 % margin)."""
+    ids = _ids(1, 300)
+    truth = _logits(ids)(tiny((HCA, CSA)))
+    want, got = _both(tiny((HCA, CSA), dtype=torch.bfloat16), _logits(ids))
+    err_eager, err_dsattn = (want.float() - truth).abs(), (got.float() - truth).abs()
+    assert err_dsattn.max() <= 1.25 * err_eager.max(), (err_dsattn.max(), err_eager.max())
+    assert err_dsattn.mean() <= 1.25 * err_eager.mean(), (err_dsattn.mean(), err_eager.mean())
+
+
+def test_generate_with_cache_matches_eager():
+    model = tiny((HCA, CSA, CSA))
+    ids = _ids(1, 70)
+
+    def gen(m):
+        with torch.no_grad():
+            return m.generate(ids, max_new_tokens=32, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+    want, got = _both(model, gen)
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(want.logits, got.logits)):
+        assert torch.allclose(b, a, rtol=1e-4, atol=1e-5), (step, (b - a).abs().max())
+
+
+def test_chunked_prefill_equals_one_shot():
+    model = tiny((HCA, CSA, CSA))
+    ids = _ids(2, 70)
+    dsattn_hf.enable(model)
+    with torch.no_grad():
+        one = model(ids, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        chunks = [model(ids[:, i:i + 25], past_key_values=cache, use_cache=True).logits for i in range(0, 70, 25)]
+    assert torch.allclose(torch.cat(chunks, 1), one, rtol=1e-4, atol=1e-5)
+
+
+def test_training_gradients_match_eager():
+    """Every attention parameter that has a gradient in the eager model (projections, norms, sinks,
+    compressors, output projections; the indexer's selection is not differentiable in either) gets the
+    same one through sparse_flash_mla's backward."""
+    model = tiny((HCA, CSA, CSA)).train()
+    ids = _ids(2, 120)
+
+    def grads(m):
+        m.zero_grad()
+        m(ids, labels=ids, use_cache=False).loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None and "self_attn" in n}
+    want, got = _both(model, grads)
+    assert set(got) == set(want) and any("sinks" in n for n in want) and any("compressor" in n for n in want)
+    for name, g in want.items():
+        assert torch.allclose(got[name], g, rtol=1e-4, atol=1e-4 * g.abs().max().item()), name
+
+
+def test_padding_and_wrong_models_raise_clear_errors():
+    model = tiny((HCA,))
+    dsattn_hf.enable(model)
+    ids = _ids(2, 40)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with pytest.raises(ValueError, match="^attention_mask"):
+        model(ids, attention_mask=mask)
+    model(ids, attention_mask=torch.ones_like(ids))               # an all-ones mask is fine
+    with pytest.raises(ValueError, match="^model"):
+        dsattn_hf.enable(torch.nn.Linear(2, 2))
+    dsattn_hf.disable(model)
+    attn = model.model.layers[0].self_attn
+    assert not hasattr(attn, "_dsattn_original_forward")
