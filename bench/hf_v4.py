@@ -82,7 +82,7 @@ def child(path: str, length: int, decode_steps: int) -> dict:
                         tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
                     res[f"decode_{name}_tok_s"] = decode_steps / (time.perf_counter() - t)
     except (RuntimeError, MemoryError) as e:
-        res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][-160:]}"
     res["peak_gb"] = rss_gb()
     return res
 

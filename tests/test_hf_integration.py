@@ -8,7 +8,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache  
 
 from dsattn.integrations import transformers as dsattn_hf  # noqa: E402
 
-HCA, CSA = "heavily_compressed_attention", "compressed_sparse_attention"
+HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
 
 
 def tiny(layer_types, *, window=16, topk=8, hca_ratio=16, seed=0, dtype=torch.float32):
@@ -53,11 +53,12 @@ def _logits(ids):
 
 
 @pytest.mark.parametrize("layers,window,topk", [
+    ((SWA,), 16, 8),              # the window alone
     ((HCA,), 16, 8),              # 18 HCA entries, window smaller than the prompt
     ((CSA,), 16, 8),              # 75 compressed entries, top-8
     ((CSA,), 16, 512),            # top-k larger than the entries
-    ((HCA, CSA, CSA), 512, 8),    # window larger than the prompt
-], ids=["HCA", "CSA-top8", "CSA-top512", "mixed-wide-window"])
+    ((SWA, HCA, CSA), 512, 8),    # window larger than the prompt
+], ids=["SWA", "HCA", "CSA-top8", "CSA-top512", "mixed-wide-window"])
 def test_single_forward_matches_eager_fp32(layers, window, topk):
     model = tiny(layers, window=window, topk=topk)
     want, got = _both(model, _logits(_ids(2, 300)))
@@ -78,7 +79,7 @@ def test_bf16_forward_is_as_close_to_fp32_as_eager_bf16():
 
 
 def test_generate_with_cache_matches_eager():
-    model = tiny((HCA, CSA, CSA))
+    model = tiny((SWA, HCA, CSA))
     ids = _ids(1, 70)
 
     def gen(m):
@@ -92,7 +93,7 @@ def test_generate_with_cache_matches_eager():
 
 
 def test_chunked_prefill_equals_one_shot():
-    model = tiny((HCA, CSA, CSA))
+    model = tiny((SWA, HCA, CSA))
     ids = _ids(2, 70)
     dsattn_hf.enable(model)
     with torch.no_grad():
