@@ -1,6 +1,7 @@
 """transformers' DeepSeek-V4, eager attention vs dsattn, on a wide-but-shallow model (issue 14).
 
-    python bench/hf_v4.py [--lengths 4096 16384 32768] [--decode-steps 8] [--limit-gb 20] [--no-record]
+    python bench/hf_v4.py [--lengths 4096 16384 32768] [--paths eager dsattn] [--decode-steps 8] [--limit-gb 20]
+                          [--no-record]
     python bench/hf_v4.py --smoke            # tiny model: the end-to-end comparison with eager in seconds
 
 V4-Flash attention dimensions (hidden 4096, 64 heads of 512, q rank 1024, 8 output groups of 1024,
@@ -130,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--limit-gb", type=float, default=20.0, help="address-space limit of each process")
+    ap.add_argument("--paths", nargs="+", choices=("eager", "dsattn"), default=["eager", "dsattn"])
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|"]
     decode = None
     for length in args.lengths:
-        for path in ("eager", "dsattn"):
+        for path in args.paths:
             steps = args.decode_steps if (path == "dsattn" and length == max(args.lengths)) else 0
             r = run_child(path, length, steps, args.limit_gb)
             note = r.get("error", "")

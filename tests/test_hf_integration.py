@@ -134,3 +134,27 @@ def test_padding_and_wrong_models_raise_clear_errors():
     dsattn_hf.disable(model)
     attn = model.model.layers[0].self_attn
     assert not hasattr(attn, "_dsattn_original_forward")
+
+
+def test_no_dense_mask_and_from_pretrained_with_dsattn(tmp_path):
+    """Enabled, the model builds no [S, S + past] sliding-window mask (the registered mask function returns
+    None); a model saved and loaded with ``attn_implementation="dsattn"`` runs once enabled and says what is
+    missing when it is not."""
+    model = tiny((SWA, CSA))
+    seen = []
+    layer = model.model.layers[0]
+    hook = layer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
+    ids = _ids(1, 40)
+    want = _logits(ids)(model)
+    dsattn_hf.enable(model)
+    got = _logits(ids)(model)
+    hook.remove()
+    assert isinstance(seen[0], torch.Tensor) and seen[1] is None
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    dsattn_hf.disable(model)
+    assert model.config._attn_implementation == "eager"
+    model.save_pretrained(tmp_path)
+    loaded = DeepseekV4ForCausalLM.from_pretrained(tmp_path, attn_implementation="dsattn").eval()
+    with pytest.raises(RuntimeError, match="enable"):
+        _logits(ids)(loaded)
+    assert torch.allclose(_logits(ids)(dsattn_hf.enable(loaded)), want, rtol=1e-4, atol=1e-5)

@@ -25,6 +25,15 @@ it, after a dense ``[B, S, compressed]`` score tensor).  Here instead:
   projections but normalises and ropes inside one fused kernel with its own state layout; mapping
   the model's cache objects onto it is left for later (noted in issue 14).
 
+``enable`` also switches the model to ``attn_implementation="dsattn"``, a name registered with
+transformers' attention-mask registry (its mask function returns None: the sparse operators apply the
+band and causal rules themselves, so the model no longer builds its dense ``[S, S + past]``
+sliding-window mask) and with its attention-function registry.  The attention-function registry is
+not the natural hook for this model -- the compressor's ``block_bias`` and the indexer's dense scores
+are computed before the attention function is called -- so a model loaded with
+``from_pretrained(..., attn_implementation="dsattn")`` still needs :func:`enable`; if it runs without
+it, the registered function raises a ``RuntimeError`` saying so.
+
 Batches with padding (a 2-D ``attention_mask`` with zeros) raise ``ValueError``: the sparse path
 has no per-token padding mask (right-aligned lengths would be its form); unpadded batches, ``use_cache``
 on and off, ``generate()`` and chunked prefill through repeated forward calls work.
@@ -51,11 +60,32 @@ def _attention_modules(model):
     return [m for m in model.modules() if isinstance(m, cls)]
 
 
+def register() -> None:
+    """Register ``"dsattn"`` with transformers' attention and attention-mask registries (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionMaskInterface.register("dsattn", _no_dense_mask)
+    AttentionInterface.register("dsattn", _not_enabled)
+
+
+def _no_dense_mask(*args, **kwargs):
+    return None
+
+
+def _not_enabled(module, *args, **kwargs):
+    raise RuntimeError("attn_implementation='dsattn' needs dsattn's attention layers: call "
+                       "dsattn.integrations.transformers.enable(model) after loading the model")
+
+
 def enable(model):
     """Run every DeepseekV4Attention of ``model`` on dsattn's sparse operators; returns ``model``."""
     mods = _attention_modules(model)
     if not mods:
         raise ValueError("model: no DeepseekV4Attention module found; expected a transformers DeepSeek-V4 model")
+    register()
+    if model.config._attn_implementation != "dsattn":
+        model._dsattn_previous_attn = model.config._attn_implementation
+        model.set_attn_implementation("dsattn")
     for m in mods:
         if not hasattr(m, _ORIGINAL):
             setattr(m, _ORIGINAL, m.forward)
@@ -68,6 +98,10 @@ def enable(model):
 
 def disable(model):
     """Restore the model's own attention; returns ``model``."""
+    previous = getattr(model, "_dsattn_previous_attn", None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
+        del model._dsattn_previous_attn
     for m in _attention_modules(model):
         if hasattr(m, _ORIGINAL):
             m.forward = getattr(m, _ORIGINAL)
