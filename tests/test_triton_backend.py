@@ -81,7 +81,10 @@ def launches(kernels, monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+SLOW_FP32 = pytest.param(torch.float32, id="fp32", marks=pytest.mark.slow)    # (the default suite's time budget)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), SLOW_FP32])
 @pytest.mark.parametrize("ratio", [1, 4, 128], ids=["SWA", "CSA", "HCA"])
 def test_split_k_matches_the_golden_and_the_whole_row_kernel(ratio, dtype, kernels, triton_backend, monkeypatch):
     """Split-K (max pass, partial sums against the row maximum, merge adding the sink once) keeps the
@@ -108,7 +111,7 @@ def test_split_factor_comes_from_shapes_only(kernels):
     assert kernels.choose_splits(rows=1, head_blocks=1, width=1 << 22, sms=132) == 64    # capped
 
 
-@pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split"])
+@pytest.mark.parametrize("splits", [pytest.param(1, id="whole", marks=pytest.mark.slow), pytest.param(3, id="split")])
 def test_packed_rows_are_dequantised_in_the_kernel(splits, kernels, launches, plan_launches, triton_backend,
                                                    monkeypatch):
     """sparse_attn_sharedkv_packed: int8 / fp8 rows (604 / 656-style layouts, random tiles and rope
@@ -279,7 +282,7 @@ def backward_launches(kernels, monkeypatch):
     return _spy(monkeypatch, kernels, "backward")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), SLOW_FP32])
 @pytest.mark.parametrize("ratio", [1, 4, 128], ids=["SWA", "CSA", "HCA"])
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_backward_kernel_matches_the_golden(layout, ratio, dtype, backward_launches, triton_backend):

@@ -185,9 +185,11 @@ def _topk(indexer, hidden_states, q_residual, position_ids, keys, total):
 
 
 def _attention_forward(self, hidden_states, position_embeddings, position_ids, attention_mask,
-                       past_key_values=None, **kwargs):
-    """DeepseekV4Attention.forward on dsattn's operators (module docstring)."""
+                       past_key_values=None, cache=None, **kwargs):
+    """DeepseekV4Attention.forward on dsattn's operators (module docstring).  The cache argument is
+    ``past_key_values`` up to transformers 5.23 and ``cache`` from 5.24."""
     M = _model_module()
+    past_key_values = cache if cache is not None else past_key_values
     B, S = hidden_states.shape[:2]
     D = self.head_dim
     cos, sin = position_embeddings[self.rope_layer_type]
@@ -208,7 +210,9 @@ def _attention_forward(self, hidden_states, position_embeddings, position_ids, a
         csa = isinstance(comp, M.DeepseekV4CSACompressor)
         entries = _compressed_entries(comp, hidden_states, cache_layer, "compressor", comp.head_dim, overlap=csa)
         ratio = comp.compress_rate
-        kw.update(cmp_kv=entries.unsqueeze(2), cmp_ratio=ratio, cmp_mask_mode=3,
+        # (from transformers 5.24 the compressors' norm and position bias are fp32: entries follow q's dtype,
+        # as the model's concatenation with the window KV does before its attention)
+        kw.update(cmp_kv=entries.to(q.dtype).unsqueeze(2), cmp_ratio=ratio, cmp_mask_mode=3,
                   cmp_residual_kv=(total - entries.shape[1] * ratio).to(torch.int32))
         if csa:
             ind = comp.indexer
