@@ -114,22 +114,22 @@ def _amd_usage(asm: str):
 
 
 def _kernel_spec(variant: str, heads: int, head_dim: int, dtype: str, backend: str, arch):
-    """(kernel, signature, constexprs, warps, stages, block label) of one dispatcher configuration."""
+    """(kernel, signature, constexprs, compile options, block label, packed payload) of one dispatcher
+    configuration; the options (warps, stages, NVIDIA's ``maxnreg``) are the launch configuration's own."""
     import torch
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     if variant in INDEXER_VARIANTS:
         from .indexer.triton import indexer_score_kernel, launch_config as indexer_config
         cfg = indexer_config(heads, head_dim, backend)
-        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+        opts = _launch_options(cfg)
         consts = dict(PAGED=variant.endswith("paged"), DOT_FP32=dtype == "fp32", **cfg)
-        return (indexer_score_kernel, dict(INDEXER_SIGNATURE), consts, warps, stages,
+        return (indexer_score_kernel, dict(INDEXER_SIGNATURE), consts, opts,
                 f"H{cfg['BLOCK_H']} N{cfg['BLOCK_N']} D{cfg['BLOCK_D']}", None)
     from .sparse_mla.triton import (launch_config, sparse_mla_bwd_kernel, sparse_mla_fwd_kernel,
                                     sparse_mla_merge_kernel)
     kind, phase, payload = VARIANTS[variant]
     cfg = launch_config(heads, head_dim, tdtype, backend, packed=payload is not None)
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    cfg.pop("maxnreg", None)                     # a compile option (compile_one), not a constexpr
+    opts = _launch_options(cfg)
     block = f"H{cfg['BLOCK_H']} N{cfg['BLOCK_N']} D{cfg['DA']}+{cfg['DB']}"
     if kind == "plan":
         consts = dict(TILE=64 if head_dim == 512 else 128, PACKED=payload is not None,
@@ -137,32 +137,32 @@ def _kernel_spec(variant: str, heads: int, head_dim: int, dtype: str, backend: s
                       ROPE_BF16=dtype != "fp16", LANES=16, HAS_SINK=True, DOT_FP32=dtype == "fp32", BF16_BY_BITS=False,
                       **{k: cfg[k] for k in ("BLOCK_H", "BLOCK_N", "DA", "DB")})
         from .sharedkv.triton import plan_walk_kernel, walk_stages
-        return (plan_walk_kernel, dict(PLAN_SIGNATURE), consts, warps,
-                walk_stages({"num_stages": stages}, payload is not None), block, payload)
+        return (plan_walk_kernel, dict(PLAN_SIGNATURE), consts,
+                dict(opts, num_stages=walk_stages(opts, payload is not None)), block, payload)
     if kind == "fd":
         from .sharedkv.triton import fd_merge_kernel
         consts = dict(HAS_SINK=True, BLOCK=16, BLOCK_D=128, MAX_SPLIT=64)
-        return fd_merge_kernel, dict(FD_SIGNATURE), consts, 4, 1, "P16 D128 S64", None
+        return fd_merge_kernel, dict(FD_SIGNATURE), consts, dict(num_warps=4, num_stages=1), "P16 D128 S64", None
     if kind == "bwd":
         consts = dict(HAS_SINK=True, DOT_FP32=dtype == "fp32", BF16_BY_BITS=False,
                       **{k: cfg[k] for k in ("BLOCK_H", "BLOCK_N", "DA", "DB")})
-        return sparse_mla_bwd_kernel, dict(BWD_SIGNATURE), consts, warps, 1, block, None
+        return sparse_mla_bwd_kernel, dict(BWD_SIGNATURE), consts, dict(opts, num_stages=1), block, None
     if kind == "merge":
         consts = dict(SPLITS=SPLITS, HAS_SINK=True, BLOCK_H=cfg["BLOCK_H"], DA=cfg["DA"], DB=cfg["DB"],
                       VALUE_TAIL=True, STATS=False)
-        return sparse_mla_merge_kernel, dict(MERGE_SIGNATURE), consts, 4, 1, block, None
+        return sparse_mla_merge_kernel, dict(MERGE_SIGNATURE), consts, dict(num_warps=4, num_stages=1), block, None
     qsfa = kind == "qsfa"
     consts = dict(PHASE=phase, SPLITS=1 if phase == 0 else SPLITS, HAS_SINK=True, DOT_FP32=dtype == "fp32",
                   BF16_BY_BITS=False, PACKED=payload is not None,
                   FP8=0 if payload != "u8" else (2 if backend == "cuda" and arch >= 89 else 1),
                   ROPE_BF16=dtype != "fp16", TILE=64 if head_dim == 512 else 128, VALUE_TAIL=not qsfa, STATS=qsfa,
                   **cfg)
-    return sparse_mla_fwd_kernel, dict(FWD_SIGNATURE), consts, warps, stages, block, payload
+    return sparse_mla_fwd_kernel, dict(FWD_SIGNATURE), consts, opts, block, payload
 
 
-def lifts_register_cap(variant: str) -> bool:
-    """Variants launched with ``maxnreg=255`` on NVIDIA (the attention kernels' launch_config)."""
-    return variant in VARIANTS and VARIANTS[variant][0] in ("fwd", "qsfa", "bwd", "plan")
+def _launch_options(cfg: dict) -> dict:
+    """Move the launch options out of a launch configuration (the rest are constexprs)."""
+    return {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
 
 
 def compile_one(variant: str, heads: int, head_dim: int, dtype: str, target) -> Row:
@@ -171,14 +171,12 @@ def compile_one(variant: str, heads: int, head_dim: int, dtype: str, target) -> 
     from triton.compiler import ASTSource
 
     backend, arch = target
-    fn, sig, consts, warps, stages, block, payload = _kernel_spec(variant, heads, head_dim, dtype, backend, arch)
+    fn, sig, consts, opts, block, payload = _kernel_spec(variant, heads, head_dim, dtype, backend, arch)
     sig = {k: v.format(t=TYPES[dtype], k=payload or TYPES[dtype]) for k, v in sig.items()}
     sig.update({k: "constexpr" for k in consts})
     compiled = triton.compile(ASTSource(fn, sig, consts),
                               target=GPUTarget(backend, arch, 32 if backend == "cuda" else 64),
-                              options={"num_warps": warps, "num_stages": stages,
-                                       **({"maxnreg": 255} if backend == "cuda" and lifts_register_cap(variant)
-                                          else {})})
+                              options=opts)
     md = compiled.metadata
     if backend == "cuda":
         regs, spills = _ptxas_usage(compiled.asm["ptx"], arch)

@@ -108,6 +108,12 @@ class QueryRows:
         """``[B, S1, ...]`` or ``[T1, ...]`` -> ``[R, ...]`` (a view)."""
         return t.reshape(self.R, *t.shape[2:]) if self.layout == "BSND" else t
 
+    def flat_unit_stride(self, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`flat` with a unit-stride last dim (copied only when it is not): what a kernel that
+        addresses rows and heads by strides reads."""
+        t = self.flat(t)
+        return t if t.stride(-1) == 1 else t.contiguous()
+
     def unflat(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return t.reshape(like.shape[: 2 if self.layout == "BSND" else 1] + t.shape[1:])
 

@@ -74,9 +74,7 @@ def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None)
     """Returns ``(indices [R, topk] int32, values [R, topk] float32)`` over flattened rows."""
     q, dev = P.q, P.q.device
     R, W = P.rows.R, P.k.capacity
-    qf = P.rows.flat(q)
-    if qf.stride(-1) != 1:
-        qf = qf.contiguous()
+    qf = P.rows.flat_unit_stride(q)
     H, D = qf.size(1), qf.size(2)
     interpreted = dev.type == "cpu"
     cfg = launch_config(H, D)

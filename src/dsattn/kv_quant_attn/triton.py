@@ -30,9 +30,7 @@ def supports(P: QsfaProblem) -> bool:
 
 def forward(P: QsfaProblem, want_stats: bool, splits: int | None = None):
     q = P.query
-    qf = P.rows.flat(q)
-    if qf.stride(-1) != 1:
-        qf = qf.contiguous()
+    qf = P.rows.flat_unit_stride(q)
     R = qf.size(0)
     att = RowAttention(qf, [P.kv.tensor], KV_LORA_RANK + P.R, P.sinks, P.scale, packed=PackedKV(P.R, TILE_SIZE),
                        value_tail=False, stats=True, splits=splits)

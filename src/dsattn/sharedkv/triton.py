@@ -31,13 +31,20 @@ import triton.language as tl
 from ..common.triton_lib import sink_logits
 from ..planner.params import FA_CORES, FD_CORES, S2_BASE
 from ..sparse_mla.problem import MlaProblem
-from ..sparse_mla.triton import RowAttention, head_split, range_max, range_pv, supports as kernel_supports
+from ..sparse_mla.triton import RowAttention, range_max, range_pv, supports as kernel_supports
 
 INT64_MAX = 2 ** 63 - 1
 FD_BASE = 8 * FA_CORES
 MAX_SLOTS = 2 * FA_CORES          # a core leaves at most two partial rows (50 §4)
 S2_BASE_C: tl.constexpr = tl.constexpr(S2_BASE)
 FD_BASE_C: tl.constexpr = tl.constexpr(FD_BASE)
+
+
+@triton.jit
+def _table_entry(ENTRY):
+    """Fields 1..7 of an 8-int32 table entry (50 §3); field 0 is its enable flag."""
+    return (tl.load(ENTRY + 1), tl.load(ENTRY + 2), tl.load(ENTRY + 3), tl.load(ENTRY + 4), tl.load(ENTRY + 5),
+            tl.load(ENTRY + 6), tl.load(ENTRY + 7))
 
 
 @triton.jit
@@ -60,13 +67,7 @@ def plan_walk_kernel(TABLE, Q, K, A, ROW_LO, N_M, REC_FIRST, REC_WIN_END, REC_S2
     lane = tl.program_id(1)
     entry = TABLE + 8 * core
     enabled = tl.load(entry) == 1
-    bn2 = tl.load(entry + 1)
-    m = tl.load(entry + 2)
-    s2 = tl.load(entry + 3)
-    end_b = tl.load(entry + 4)
-    end_m = tl.load(entry + 5)
-    end_s = tl.load(entry + 6)
-    slot = tl.load(entry + 7)
+    bn2, m, s2, end_b, end_m, end_s, slot = _table_entry(entry)
     if not enabled:                  # a disabled core has an empty range
         end_b, end_m, end_s = bn2, m, s2
     Q_TY = Q.dtype.element_ty
@@ -169,12 +170,7 @@ def fd_merge_kernel(TABLE, Q_START, SINK, OUT, WS_M, WS_L, WS_ACC, stride_or, st
     sink once."""
     entry = TABLE + FD_BASE_C + 8 * tl.program_id(0)
     if tl.load(entry) == 1:
-        bn2 = tl.load(entry + 1)
-        m = tl.load(entry + 2)
-        ws0 = tl.load(entry + 3)
-        n_split = tl.load(entry + 4)
-        m_start = tl.load(entry + 5)
-        m_num = tl.load(entry + 6)
+        bn2, m, ws0, n_split, m_start, m_num, _ = _table_entry(entry)
         pairs = m_start + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         pmask = pairs < m_start + m_num
         rho = m * MB + pairs
@@ -223,14 +219,17 @@ def supports(P: MlaProblem) -> bool:
     return kernel_supports(P) and P.positional
 
 
-def row_geometry(P: MlaProblem, M_max: int):
-    """Per (batch, m-block): clipped window start, window block count and s2-block end (50 §2.2), and
-    per batch the m-block count and first flattened query row -- device tensors, no host read."""
+def row_geometry(P: MlaProblem):
+    """``(mb, M_max, n_m, first, win_end, s2_end, q_start)``: the m-block size and a static bound of
+    m-blocks per batch (from shapes), then per (batch, m-block) the clipped window start, window block
+    count and s2-block end (50 §2.2), and per batch the m-block count and first flattened query row --
+    device tensors, no host read."""
     rows, dev = P.rows, P.q.device
     G = P.q.size(-2)
     K = 0 if P.cmp_idx is None else P.cmp_idx.size(1)
     scfa = P.cmp is not None and K > 0
     mb = G if scfa else 256
+    M_max = max(1, triton.cdiv((P.q.size(1) if rows.layout == "BSND" else P.q.size(0)) * G, mb))
     S1, S2 = rows.extent.to(torch.int64), P.ori.lengths.to(torch.int64)
     S1v = torch.minimum(S1, S2)
     n_m = torch.div(S1v * G + mb - 1, mb, rounding_mode="floor")
@@ -261,15 +260,13 @@ def row_geometry(P: MlaProblem, M_max: int):
     start = first_row + (S1 - S1v)
     q_start = torch.stack([start, S1v], 1).contiguous()
     i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731  (the table's own width: positions < 2**31)
-    return mb, i32(n_m), i32(first), i32(win_end), i32(s2_end), i32(q_start)
+    return mb, M_max, i32(n_m), i32(first), i32(win_end), i32(s2_end), i32(q_start)
 
 
 def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
     """Run a plan: the persistent walk over the table, then the FD merge."""
     q = P.q
-    qf = P.rows.flat(q)
-    if qf.stride(-1) != 1:
-        qf = qf.contiguous()
+    qf = P.rows.flat_unit_stride(q)
     R, G, D = qf.shape
     dev = q.device
     att = RowAttention(qf, [src.tensor for src in (P.ori, P.cmp) if src is not None], D, P.sinks, P.scale,
@@ -283,10 +280,7 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
         Wc = k.cmp_mask.size(1)
     addr = torch.cat(parts, 1).contiguous()
     row_lo = (k.ori_x[:, 0] if Wo else torch.zeros(R, dtype=torch.int64, device=dev)).to(torch.int32).contiguous()
-    S1_bound = q.size(1) if P.rows.layout == "BSND" else q.size(0)
-    mb = G if (P.cmp is not None and P.cmp_idx is not None and P.cmp_idx.size(1) > 0) else 256
-    M_max = max(1, triton.cdiv(S1_bound * G, mb))
-    mb, n_m, first, win_end, s2_end, q_start = row_geometry(P, M_max)
+    mb, M_max, n_m, first, win_end, s2_end, q_start = row_geometry(P)
     out = torch.zeros(R, G, D, dtype=torch.float32 if att.bf16_by_bits else q.dtype, device=dev)
     ws_m = torch.empty(MAX_SLOTS, mb, dtype=torch.float32, device=dev)
     ws_l = torch.empty(MAX_SLOTS, mb, dtype=torch.float32, device=dev)
@@ -309,5 +303,3 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
         MAX_SPLIT=triton.next_power_of_2(FA_CORES))
     return P.rows.unflat(out.to(q.dtype), q)
 
-
-__all__ = ["execute", "supports", "row_geometry", "head_split"]

@@ -405,9 +405,7 @@ class RowAttention:
 def forward(P: MlaProblem, return_softmax_lse: bool, splits: int | None = None):
     """Run the kernel over every query row; ``splits`` overrides :func:`choose_splits` (tests)."""
     q = P.q
-    qf = P.rows.flat(q)
-    if qf.stride(-1) != 1:
-        qf = qf.contiguous()
+    qf = P.rows.flat_unit_stride(q)
     R = qf.size(0)
     att = RowAttention(qf, [src.tensor for src in (P.ori, P.cmp) if src is not None], P.ori.D, P.sinks, P.scale,
                        packed=P.ori.packed if P.ori.decode is not None else None, splits=splits)
@@ -541,8 +539,7 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
     from .problem import lse_to_rows
     q, rows = P.q, P.rows
     dev = q.device
-    qf, dof, of = (x if x.stride(-1) == 1 else x.contiguous() for x in (rows.flat(q), rows.flat(dout),
-                                                                          rows.flat(attn_out)))
+    qf, dof, of = (rows.flat_unit_stride(x) for x in (q, dout, attn_out))
     lse_rows = lse_to_rows(softmax_lse, rows).float().contiguous()
     R, H, D = qf.shape
     interpreted = dev.type == "cpu"
