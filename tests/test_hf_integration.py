@@ -103,6 +103,23 @@ def test_chunked_prefill_equals_one_shot():
     assert torch.allclose(torch.cat(chunks, 1), one, rtol=1e-4, atol=1e-5)
 
 
+def test_eager_and_dsattn_alternate_on_one_cache():
+    """The compressors' history comes from the model's own cache state (the incomplete window's raw
+    projections, the ratio-4 overlap half): chunks prefilled by the eager model, continued by dsattn,
+    then eager again, give the one-shot eager logits."""
+    model = tiny((HCA, CSA), hca_ratio=8)
+    ids = _ids(2, 75)
+    with torch.no_grad():
+        one = model(ids, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        chunks = []
+        for i, (lo, hi) in enumerate([(0, 23), (23, 50), (50, 51), (51, 75)]):   # windows split across calls
+            (dsattn_hf.enable if i % 2 else dsattn_hf.disable)(model)
+            chunks.append(model(ids[:, lo:hi], past_key_values=cache, use_cache=True).logits)
+    dsattn_hf.disable(model)
+    assert torch.allclose(torch.cat(chunks, 1), one, rtol=1e-4, atol=1e-5)
+
+
 def test_training_gradients_match_eager():
     """Every attention parameter that has a gradient in the eager model (projections, norms, sinks,
     compressors, output projections; the indexer's selection is not differentiable in either) gets the
@@ -158,3 +175,68 @@ def test_no_dense_mask_and_from_pretrained_with_dsattn(tmp_path):
     with pytest.raises(RuntimeError, match="enable"):
         _logits(ids)(loaded)
     assert torch.allclose(_logits(ids)(dsattn_hf.enable(loaded)), want, rtol=1e-4, atol=1e-5)
+
+
+def _eager_indexer_kl(model, ids, selected, weight):
+    """Spec 10 §2.5's loss from the eager model itself: the teacher is the eager attention's probability
+    of each selected compressed entry averaged over heads (its attention weights, normalised with the
+    sink), the student the softmax of the model's own dense index scores at the selected slots;
+    ``selected``: the top-k lists dsattn used, one per CSA layer in order."""
+    scores, weights = [], []
+    hooks = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if getattr(attn.compressor, "indexer", None) is None:
+            continue
+        hooks.append(attn.compressor.indexer.scorer.register_forward_hook(lambda m, a, out: scores.append(out)))
+        hooks.append(attn.register_forward_hook(lambda m, a, out: weights.append(out[1].detach())))
+    model(ids, use_cache=False, output_attentions=True)
+    for h in hooks:
+        h.remove()
+    B, S = ids.shape
+    total = 0.0
+    for idx, score, w in zip(selected, scores, weights):
+        idx = idx[:, :, 0].long()                                    # [B, S, K]
+        valid = idx >= 0
+        safe = idx.clamp_min(0)
+        student = torch.gather(score, 2, safe).masked_fill(~valid, float("-inf")).log_softmax(-1)
+        teacher = torch.gather(w.mean(1), 2, S + safe) * valid       # columns: S window keys, then the entries
+        total = total - (teacher * student.masked_fill(~valid, 0.0)).sum() * (weight / (B * S))
+    return total
+
+
+def test_indexer_kl_loss_is_spec_10_against_the_eager_model():
+    """``enable(model, indexer_kl_loss=True)``: the returned loss is the LM loss plus the CSA layers'
+    indexer KL terms, the term equals spec 10's loss computed from the eager model's own attention
+    weights and dense index scores, and its gradient reaches exactly the indexer's parameters, equal
+    to autograd through the eager model's indexer."""
+    model = tiny((CSA, HCA, CSA)).train()
+    ids = _ids(2, 120)
+    weight = 0.7
+    lm = model(ids, labels=ids, use_cache=False).loss
+    selected = []
+    real_topk = dsattn_hf._topk
+    dsattn_hf.enable(model, indexer_kl_loss=True, indexer_kl_weight=weight)
+    try:
+        dsattn_hf._topk = lambda *a: selected.append(real_topk(*a)) or selected[-1]
+        model.zero_grad()
+        out = model(ids, labels=ids, use_cache=False)
+        out.indexer_kl_loss.backward()
+    finally:
+        dsattn_hf._topk = real_topk
+        dsattn_hf.disable(model)
+    assert len(selected) == 2 and out.indexer_kl_loss > 0
+    assert torch.allclose(out.loss, lm + out.indexer_kl_loss, rtol=1e-5)
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert got and all(".indexer." in n for n in got), sorted(got)
+    model.zero_grad()
+    want = _eager_indexer_kl(model, ids, selected, weight)
+    assert torch.allclose(out.indexer_kl_loss, want, rtol=1e-4), (out.indexer_kl_loss, want)
+    want.backward()
+    for name, g in got.items():
+        ref = dict(model.named_parameters())[name].grad
+        assert torch.allclose(g, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), name
+    with torch.no_grad():                                    # inference: no KL work, no extra output
+        assert "indexer_kl_loss" not in dsattn_hf.enable(model, indexer_kl_loss=True)(ids, use_cache=False)
+    with pytest.raises(TypeError, match="^indexer_kl_weight"):
+        dsattn_hf.enable(model, indexer_kl_loss=True, indexer_kl_weight="1")

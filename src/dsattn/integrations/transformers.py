@@ -19,11 +19,22 @@ it, after a dense ``[B, S, compressed]`` score tensor).  Here instead:
 * the CSA indexer scores and selects through ``lightning_indexer`` (``mask_mode`` 3): its weights are
   ``weights_proj(h) · index_n_heads**-0.5 · index_head_dim**-0.5`` (the model's two positive scales
   commute with the ReLU), its queries the model's roped ``q_b_proj(q_residual)``;
-* the compressors keep the model's arithmetic (pooling with ``position_bias``, the ratio-4 overlap of
-  the previous window's first half, ``kv_norm``, rope at ``i · ratio + first_window_position``), the
-  model's modules and its cache state, without the mask.  dsattn's ``compressor`` op takes the same
-  projections but normalises and ropes inside one fused kernel with its own state layout; mapping
-  the model's cache objects onto it is left for later (noted in issue 14).
+* the compressors pool through dsattn's ``compressor`` (differentiable: training reaches the
+  compressor's weights through its backward).  The model's weights map one to one: ``wkv`` =
+  ``kv_proj.weight`` and ``wgate`` = ``gate_proj.weight`` (``[coff·head_dim, hidden]``), ``ape`` =
+  ``position_bias`` (``[ratio, coff·head_dim]``, as fp32).  The ratio-4 overlap is the op's
+  ``coff = 2``: the model's Ca half (``[..., :head_dim]``, a token's share of the next window's
+  entry) and Cb half (``[..., head_dim:]``, its own window's) are the op's first and last D
+  channels, and window 0 of a first call pools zero-kv / -inf-gate slots in both.  The model's
+  cache state becomes the op's explicit state rows (``cache_mode`` 2) for the history positions:
+  ``buffer_kv`` / ``buffer_gate`` (raw projections of the incomplete window; the bias is added) and
+  ``overlap_kv`` / ``overlap_gate`` (the previous window's Ca half, bias included), and the model's
+  own bookkeeping advances the cache, so eager and dsattn calls can alternate on one cache.
+  ``kv_norm`` (RMSNorm) and the rope at ``i · ratio + first_window_position`` stay the model's
+  modules: dsattn's fused ``compressor_inference`` is not differentiable, and the model's rotary
+  tables and partial-rope layout are its own; both steps are element-wise on the few entries;
+* optionally (``enable(model, indexer_kl_loss=True)``) the CSA indexer's auxiliary KL loss of spec
+  10 through ``sparse_lightning_indexer_kl_loss_grad`` (:func:`enable`).
 
 ``enable`` also switches the model to ``attn_implementation="dsattn"``, a name registered with
 transformers' attention-mask registry (its mask function returns None: the sparse operators apply the
@@ -45,9 +56,11 @@ import types
 import torch
 
 from .. import ops
-from ..hyper_parallel import npu_sparse_flash_mla
+from ..hyper_parallel import npu_sparse_flash_mla, npu_sparse_flash_mla_grad
 
 _ORIGINAL = "_dsattn_original_forward"
+_KL_WEIGHT = "_dsattn_indexer_kl_weight"     # set on CSA attention modules by enable()
+_KL_VALUE = "_dsattn_indexer_kl_value"       # this forward's KL term of the module
 
 
 def _model_module():
@@ -77,22 +90,43 @@ def _not_enabled(module, *args, **kwargs):
                        "dsattn.integrations.transformers.enable(model) after loading the model")
 
 
-def enable(model):
-    """Run every DeepseekV4Attention of ``model`` on dsattn's sparse operators; returns ``model``."""
+def enable(model, indexer_kl_loss: bool = False, indexer_kl_weight: float = 1.0):
+    """Run every DeepseekV4Attention of ``model`` on dsattn's sparse operators; returns ``model``.
+
+    ``indexer_kl_loss``: in forward passes with autograd on, every CSA layer also computes the
+    indexer's auxiliary KL loss of spec 10 §2.5 / §3 against the attention's own probabilities at the
+    selected slots (``cmp_softmax_l1_norm``), weighted by ``indexer_kl_weight`` and averaged over the
+    query tokens; the layers' sum is added to the returned ``loss`` (when the model computes one,
+    i.e. with ``labels``) and is also returned as ``indexer_kl_loss``.  Its gradient reaches only the
+    indexer's parameters (its query projection, weight projection and compressor): the indexer's
+    inputs are detached, and the main loss never reaches the indexer (its top-k is a selection)."""
     mods = _attention_modules(model)
     if not mods:
         raise ValueError("model: no DeepseekV4Attention module found; expected a transformers DeepSeek-V4 model")
+    if not isinstance(indexer_kl_weight, (int, float)) or isinstance(indexer_kl_weight, bool):
+        raise TypeError(f"indexer_kl_weight: expected a float, got {type(indexer_kl_weight).__name__}")
     register()
     if model.config._attn_implementation != "dsattn":
         model._dsattn_previous_attn = model.config._attn_implementation
         model.set_attn_implementation("dsattn")
+    csa_cls = _model_module().DeepseekV4CSACompressor
     for m in mods:
         if not hasattr(m, _ORIGINAL):
             setattr(m, _ORIGINAL, m.forward)
             m.forward = types.MethodType(_attention_forward, m)
+        if indexer_kl_loss and isinstance(m.compressor, csa_cls):
+            setattr(m, _KL_WEIGHT, float(indexer_kl_weight))
+        elif hasattr(m, _KL_WEIGHT):
+            delattr(m, _KL_WEIGHT)
+    _remove_hooks(model)
+    hooks = []
     for m in model.modules():                       # the padding check, once per model forward
-        if type(m).__name__ == "DeepseekV4Model" and not hasattr(m, "_dsattn_padding_hook"):
-            m._dsattn_padding_hook = m.register_forward_pre_hook(_reject_padding, with_kwargs=True)
+        if type(m).__name__ == "DeepseekV4Model":
+            hooks.append(m.register_forward_pre_hook(_reject_padding, with_kwargs=True))
+    if indexer_kl_loss:
+        hooks.append(model.register_forward_pre_hook(lambda module, args: _clear_kl(mods)))
+        hooks.append(model.register_forward_hook(lambda module, args, output: _add_kl(mods, output)))
+    model._dsattn_hooks = hooks
     return model
 
 
@@ -106,12 +140,36 @@ def disable(model):
         if hasattr(m, _ORIGINAL):
             m.forward = getattr(m, _ORIGINAL)
             delattr(m, _ORIGINAL)
-    for m in model.modules():
-        hook = getattr(m, "_dsattn_padding_hook", None)
-        if hook is not None:
-            hook.remove()
-            del m._dsattn_padding_hook
+        for name in (_KL_WEIGHT, _KL_VALUE):
+            if hasattr(m, name):
+                delattr(m, name)
+    _remove_hooks(model)
     return model
+
+
+def _remove_hooks(model):
+    for hook in getattr(model, "_dsattn_hooks", ()):
+        hook.remove()
+    model._dsattn_hooks = []
+
+
+def _clear_kl(mods):
+    for m in mods:
+        if hasattr(m, _KL_VALUE):
+            delattr(m, _KL_VALUE)
+
+
+def _add_kl(mods, output):
+    """After the model's forward: the CSA layers' KL terms, summed, added to ``output.loss``."""
+    terms = [getattr(m, _KL_VALUE) for m in mods if hasattr(m, _KL_VALUE)]
+    if not terms:
+        return output
+    kl = torch.stack(terms).sum()
+    _clear_kl(mods)                                  # (the graph keeps what the backward needs)
+    if getattr(output, "loss", None) is not None:
+        output.loss = output.loss + kl
+    output["indexer_kl_loss"] = kl
+    return output
 
 
 def _reject_padding(module, args, kwargs):
@@ -123,51 +181,85 @@ def _reject_padding(module, args, kwargs):
 
 
 def _compressed_entries(comp, hidden_states, cache_layer, name: str, head_dim: int, overlap: bool):
-    """The compressor's entries ``[B, T, head_dim]`` so far (the model's arithmetic and cache state)."""
-    M = _model_module()
-    batch = hidden_states.shape[0]
-    ratio = comp.compress_rate
-    kv = comp.kv_proj(hidden_states)
-    gate = comp.gate_proj(hidden_states)
+    """The compressor's entries ``[B, T, head_dim]`` so far: the pooling through dsattn's ``compressor``
+    (differentiable), then the model's ``kv_norm`` and rope, and the model's cache state kept current."""
+    B, S, _ = hidden_states.shape
+    r, D = comp.compress_rate, head_dim
+    coff = 2 if overlap else 1
+    ape = comp.position_bias.float()
+    f32 = dict(dtype=torch.float32, device=hidden_states.device)
     if cache_layer is None:
-        usable = (kv.shape[1] // ratio) * ratio
-        chunk_kv, chunk_gate, first_window_position = kv[:, :usable], gate[:, :usable], 0
+        sp = 0
+        state, table = torch.zeros(1, 1, 2 * coff * D, **f32), None
     else:
-        chunk_kv, chunk_gate, first_window_position = cache_layer.store_compression_weights(name, kv, gate)
-    if chunk_kv.shape[1] > 0:
-        n_windows = chunk_kv.shape[1] // ratio
-        chunk_kv = chunk_kv.view(batch, n_windows, ratio, -1)
-        chunk_gate = chunk_gate.view(batch, n_windows, ratio, -1) + comp.position_bias
-        if overlap:             # entry w pools window w-1's first half (Ca) with window w's second half (Cb)
-            new_kv = chunk_kv.new_zeros((batch, n_windows, 2 * ratio, head_dim))
-            new_gate = chunk_gate.new_full((batch, n_windows, 2 * ratio, head_dim), float("-inf"))
-            new_kv[:, :, ratio:] = chunk_kv[..., head_dim:]
-            new_gate[:, :, ratio:] = chunk_gate[..., head_dim:]
-            if n_windows > 1:
-                new_kv[:, 1:, :ratio] = chunk_kv[:, :-1, :, :head_dim]
-                new_gate[:, 1:, :ratio] = chunk_gate[:, :-1, :, :head_dim]
-            if cache_layer is not None:
-                prior_kv, prior_gate = cache_layer.update_overlap_state(name, chunk_kv, chunk_gate, head_dim)
-                if prior_kv is not None:
-                    new_kv[:, 0, :ratio] = prior_kv.to(new_kv.dtype)
-                    new_gate[:, 0, :ratio] = prior_gate.to(new_gate.dtype)
-            chunk_kv, chunk_gate = new_kv, new_gate
-        compressed = comp.kv_norm((chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype))
-                                  .sum(dim=2))
-        positions = torch.arange(n_windows, device=compressed.device) * ratio + first_window_position
-        cos, sin = comp.rotary_emb(compressed, position_ids=positions.unsqueeze(0).expand(batch, -1),
+        sp, state, table = _compressor_history(comp, cache_layer, name, B, S, D, coff, ape)
+    pooled = ops.compressor(hidden_states, comp.kv_proj.weight, comp.gate_proj.weight, state, ape, r,
+                            state_block_table=table, start_pos=torch.full((B,), sp, dtype=torch.int32,
+                                                                          device=hidden_states.device),
+                            coff=coff, cache_mode=2)
+    n = (sp + S) // r - sp // r
+    if cache_layer is not None:
+        _advance_model_cache(comp, cache_layer, name, hidden_states, D, overlap)
+    if n > 0:
+        compressed = comp.kv_norm(pooled[:, :n])
+        positions = torch.arange(n, device=compressed.device) * r + (sp // r) * r
+        cos, sin = comp.rotary_emb(compressed, position_ids=positions.unsqueeze(0).expand(B, -1),
                                    layer_type=comp.rope_layer_type)
-        compressed = M.apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin).squeeze(1)
+        compressed = _model_module().apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin).squeeze(1)
     else:
-        compressed = chunk_kv.new_zeros((batch, 0, head_dim))
+        compressed = pooled.new_zeros((B, 0, D))
     if cache_layer is not None:
         compressed = cache_layer.update_compressor_states(name, compressed)
     return compressed
 
 
-def _topk(indexer, hidden_states, q_residual, position_ids, keys, total):
-    """The CSA indexer's top-k list ``[B, S, 1, topk]`` through ``lightning_indexer`` (-1 past the
-    causally visible entries)."""
+def _compressor_history(comp, cache_layer, name: str, B: int, S: int, D: int, coff: int, ape):
+    """``(start_pos, state rows, cache_mode-2 table)`` for a cached call: the model's cache holds the
+    raw projections of the trailing incomplete window (``buffer_kv`` / ``buffer_gate``, without
+    ``position_bias``) and, with overlap, the last complete window's Ca half (``overlap_kv`` /
+    ``overlap_gate``, bias included); they become the state rows of the history positions
+    ``[start_pos - coff·r, start_pos)``.  The Cb half of the previous window is never read (it
+    belongs to an entry already emitted), so those rows hold zeros there; new tokens are not
+    written (table -1): the model's cache is advanced by the model's own bookkeeping."""
+    r = comp.compress_rate
+    dev = ape.device
+    buf_kv, buf_gate = cache_layer.buffer_kv[name], cache_layer.buffer_gate[name]
+    n_buf = 0 if buf_kv is None else buf_kv.shape[1]
+    sp = cache_layer.entry_count[name] * r + n_buf
+    hist = coff * r
+    state = torch.zeros(B, hist, 2 * coff * D, dtype=torch.float32, device=dev)
+    table = torch.full((B, hist + S), -1, dtype=torch.int32, device=dev)
+    rows = torch.arange(B, device=dev)[:, None] * hist
+    if n_buf:                                        # positions sp - n_buf .. sp - 1: the last columns
+        pos = torch.arange(sp - n_buf, sp, device=dev)
+        state[:, hist - n_buf:, :coff * D] = buf_kv.float()
+        state[:, hist - n_buf:, coff * D:] = buf_gate.float() + ape[pos % r]
+        table[:, hist - n_buf:hist] = (rows + torch.arange(hist - n_buf, hist, device=dev)).to(torch.int32)
+    prior_kv = cache_layer.overlap_kv.get(name) if coff == 2 else None
+    if prior_kv is not None:                         # the previous complete window: its Ca half
+        cols = slice(hist - n_buf - r, hist - n_buf)
+        state[:, cols, :D] = prior_kv.float()
+        state[:, cols, coff * D:coff * D + D] = cache_layer.overlap_gate[name].float()
+        table[:, cols] = (rows + torch.arange(hist - n_buf - r, hist - n_buf, device=dev)).to(torch.int32)
+    return sp, state, table
+
+
+def _advance_model_cache(comp, cache_layer, name: str, hidden_states, D: int, overlap: bool):
+    """The model's own cache bookkeeping for this call (buffer of the incomplete window, the overlap
+    state), so that the cache stays what the model's compressor would have left."""
+    kv, gate = comp.kv_proj(hidden_states), comp.gate_proj(hidden_states)
+    chunk_kv, chunk_gate, _ = cache_layer.store_compression_weights(name, kv, gate)
+    if overlap and chunk_kv.shape[1] > 0:
+        B, r = hidden_states.shape[0], comp.compress_rate
+        chunk_kv = chunk_kv.view(B, -1, r, chunk_kv.shape[-1])
+        chunk_gate = chunk_gate.view(B, -1, r, chunk_gate.shape[-1]) + comp.position_bias
+        cache_layer.update_overlap_state(name, chunk_kv, chunk_gate, D)
+
+
+def _indexer_inputs(indexer, hidden_states, q_residual, position_ids):
+    """The CSA indexer's roped queries ``[B, S, Hi, d]`` (fp32) and weights ``[B, S, Hi]`` (fp32): its
+    weights are ``weights_proj(h) · index_n_heads**-0.5 · index_head_dim**-0.5`` (the model's two
+    positive scales commute with the ReLU)."""
     M = _model_module()
     B, S, _ = hidden_states.shape
     cos, sin = indexer.rotary_emb(hidden_states, position_ids=position_ids, layer_type=indexer.rope_layer_type)
@@ -175,13 +267,53 @@ def _topk(indexer, hidden_states, q_residual, position_ids, keys, total):
     q = M.apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)                          # [B, S, Hi, d]
     scorer = indexer.scorer
     w = scorer.weights_proj(hidden_states).float() * (scorer.weights_scaling * scorer.softmax_scale)
-    ratio = indexer.compress_rate
-    resid = (total - keys.shape[1] * ratio).to(torch.int32)
+    return q.float(), w
+
+
+def _topk(indexer, q, w, keys, resid):
+    """The CSA indexer's top-k list ``[B, S, 1, topk]`` through ``lightning_indexer`` (-1 past the
+    causally visible entries)."""
     with torch.no_grad():                             # the model's indexer is not differentiable either
-        idx, _ = ops.lightning_indexer(q.float().contiguous(), keys.float().unsqueeze(2).contiguous(),
-                                       w.contiguous(), indexer.index_topk, cmp_residual_k=resid, mask_mode=3,
-                                       cmp_ratio=ratio)
+        idx, _ = ops.lightning_indexer(q.contiguous(), keys.float().unsqueeze(2).contiguous(), w.contiguous(),
+                                       indexer.index_topk, cmp_residual_k=resid, mask_mode=3,
+                                       cmp_ratio=indexer.compress_rate)
     return idx
+
+
+class IndexerKLLoss(torch.autograd.Function):
+    """The indexer's auxiliary loss of spec 10 §2.5, ``Σ_t -Σ_s p[t,s] · log y[t,s]`` with the teacher
+    ``p`` (already scaled by the loss weight) a constant: its forward runs
+    ``sparse_lightning_indexer_kl_loss_grad`` once, which gives both the indexer's softmax ``y`` (for
+    the value) and the gradients (kept for the backward, scaled by the incoming gradient)."""
+
+    @staticmethod
+    def forward(ctx, q, keys, w, idx, p, resid, ratio: int):
+        dq, dk, dw, y = ops.sparse_lightning_indexer_kl_loss_grad(
+            q, keys, w, idx, p, cmp_residual_k=resid, layout_q="BSND", layout_k="BSND", mask_mode=3,
+            cmp_ratio=ratio)
+        ctx.save_for_backward(dq, dk, dw)
+        # valid slots have y > 0 unless it underflows; a slot without teacher mass adds nothing
+        tiny = torch.finfo(y.dtype).tiny
+        return -torch.where(p != 0, p * torch.log(y.clamp_min(tiny)), torch.zeros((), dtype=y.dtype)).sum()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        dq, dk, dw = ctx.saved_tensors
+        return grad * dq, grad * dk, grad * dw, None, None, None, None
+
+
+def _indexer_kl(q, out, lse, kw, q_ind, keys, w_ind, resid, ratio: int, weight: float):
+    """This layer's indexer KL term (spec 10 §3): the teacher is the attention's own probability mass
+    at each selected slot, ``cmp_softmax_l1_norm`` of ``sparse_flash_mla_grad`` (computed here with a
+    zero output gradient, so the term's value exists in the forward), scaled by ``weight`` over the
+    number of query tokens; a constant to the loss."""
+    with torch.no_grad():
+        detached = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        out_d = out.detach()
+        p = npu_sparse_flash_mla_grad(q.detach(), torch.zeros_like(out_d), out_d, lse, **detached)[5]
+        p = p * (weight / (q.shape[0] * q.shape[1]))
+    return IndexerKLLoss.apply(q_ind, keys.float().unsqueeze(2), w_ind, kw["cmp_sparse_indices"], p, resid, ratio)
 
 
 def _attention_forward(self, hidden_states, position_embeddings, position_ids, attention_mask,
@@ -206,6 +338,7 @@ def _attention_forward(self, hidden_states, position_embeddings, position_ids, a
     kw = dict(ori_kv=kv.transpose(1, 2), sinks=self.sinks.float(), softmax_scale=self.scaling, ori_mask_mode=4,
               ori_win_left=self.sliding_window - 1, ori_win_right=0, layout="BSND")
     comp = self.compressor
+    kl_weight = None
     if comp is not None:
         csa = isinstance(comp, M.DeepseekV4CSACompressor)
         entries = _compressed_entries(comp, hidden_states, cache_layer, "compressor", comp.head_dim, overlap=csa)
@@ -216,9 +349,20 @@ def _attention_forward(self, hidden_states, position_embeddings, position_ids, a
                   cmp_residual_kv=(total - entries.shape[1] * ratio).to(torch.int32))
         if csa:
             ind = comp.indexer
-            keys = _compressed_entries(ind, hidden_states, cache_layer, "indexer", ind.head_dim, overlap=True)
-            kw["cmp_sparse_indices"] = _topk(ind, hidden_states, q_residual, position_ids, keys, total)
-    out, _ = npu_sparse_flash_mla(q.transpose(1, 2), **kw)       # [B, S, H, D]; differentiable (training)
+            kl_weight = getattr(self, _KL_WEIGHT, None) if torch.is_grad_enabled() else None
+            # the indexer only selects (no gradient reaches the model through it): with the KL loss on, its
+            # inputs are detached so that the loss trains the indexer alone (spec 10 §3)
+            h_ind, q_res_ind = ((hidden_states.detach(), q_residual.detach()) if kl_weight is not None
+                                else (hidden_states, q_residual))
+            keys = _compressed_entries(ind, h_ind, cache_layer, "indexer", ind.head_dim, overlap=True)
+            q_ind, w_ind = _indexer_inputs(ind, h_ind, q_res_ind, position_ids)
+            resid_ind = (total - keys.shape[1] * ind.compress_rate).to(torch.int32)
+            kw["cmp_sparse_indices"] = _topk(ind, q_ind, w_ind, keys, resid_ind)
+    out, lse = npu_sparse_flash_mla(q.transpose(1, 2), return_softmax_lse=kl_weight is not None,
+                                    **kw)                        # [B, S, H, D]; differentiable (training)
+    if kl_weight is not None:
+        setattr(self, _KL_VALUE, _indexer_kl(q.transpose(1, 2), out, lse, kw, q_ind, keys, w_ind, resid_ind,
+                                             ind.compress_rate, kl_weight))
     # undo the rope the shared K = V put on the output's rope slice (at the query position)
     attn_output = M.apply_rotary_pos_emb(out.transpose(1, 2), cos, -sin).transpose(1, 2)
     grouped = self.o_a_proj(attn_output.reshape(B, S, self.config.o_groups, -1)).flatten(2)
