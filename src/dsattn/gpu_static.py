@@ -1,8 +1,8 @@
 """Ahead-of-time compilation of the Triton kernels for GPU targets, without a GPU (issue 13).
 
 Every configuration the dispatcher can select (:func:`dsattn.sparse_mla.triton.launch_config`)
-is compiled with ``triton.compile(ASTSource(...), target=GPUTarget(...))`` for NVIDIA sm_90 and
-sm_80 and AMD gfx942; the table gives shared memory, warps, stages, registers and spills (from
+is compiled with ``triton.compile(ASTSource(...), target=GPUTarget(...))`` for NVIDIA sm_90, sm_80
+and sm_120 (consumer Blackwell) and AMD gfx942 and gfx950; the table gives shared memory, warps, stages, registers and spills (from
 ``ptxas -v`` on the PTX, or the AMDGCN metadata) and an occupancy estimate (resident warps per SM
 limited by registers and shared memory).  ``python -m dsattn.gpu_static [--quick] [--check]``;
 ``--check`` exits non-zero on a spill or a shared-memory overflow.  Run it without
@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 # target -> (shared memory per block limit, per SM; registers per SM; max warps per SM)
 TARGETS = {("cuda", 90): (227 * 1024, 228 * 1024, 65536, 64), ("cuda", 80): (163 * 1024, 164 * 1024, 65536, 64),
-           ("hip", "gfx942"): (64 * 1024, 64 * 1024, 512 * 64 * 4, 32)}
+           ("cuda", 120): (99 * 1024, 100 * 1024, 65536, 48),
+           ("hip", "gfx942"): (64 * 1024, 64 * 1024, 512 * 64 * 4, 32),
+           ("hip", "gfx950"): (160 * 1024, 160 * 1024, 512 * 64 * 4, 32)}
 FWD_SIGNATURE = {"Q": "*{t}", "K": "*{k}", "A": "*i64", "SINK": "*fp32", "OUT": "*{t}",
                  "LSE": "*fp32", "SUM": "*fp32", "MP": "*fp32", "CP": "*i32", "LP": "*fp32", "ACCP": "*fp32",
                  "stride_qr": "i64", "stride_qh": "i64", "stride_or": "i64", "stride_oh": "i64", "stride_ar": "i64",
@@ -98,7 +100,8 @@ def _ptxas_usage(ptx: str, arch: int):
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        target = re.search(r"^\.target\s+(\w+)", ptx, re.M)     # sm_90a / sm_120a: the PTX names its own
+        gpu = target.group(1) if target else f"sm_{arch}"
         res = subprocess.run([ptxas, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}", path,
                               "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
     text = res.stdout + res.stderr
@@ -120,7 +123,7 @@ def _kernel_spec(variant: str, heads: int, head_dim: int, dtype: str, backend: s
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     if variant in INDEXER_VARIANTS:
         from .indexer.triton import indexer_score_kernel, launch_config as indexer_config
-        cfg = indexer_config(heads, head_dim, backend)
+        cfg = indexer_config(heads, head_dim, tdtype, backend)
         opts = _launch_options(cfg)
         consts = dict(PAGED=variant.endswith("paged"), DOT_FP32=dtype == "fp32", **cfg)
         return (indexer_score_kernel, dict(INDEXER_SIGNATURE), consts, opts,
@@ -128,17 +131,17 @@ def _kernel_spec(variant: str, heads: int, head_dim: int, dtype: str, backend: s
     from .sparse_mla.triton import (launch_config, sparse_mla_bwd_kernel, sparse_mla_fwd_kernel,
                                     sparse_mla_merge_kernel)
     kind, phase, payload = VARIANTS[variant]
-    cfg = launch_config(heads, head_dim, tdtype, backend, packed=payload is not None)
+    cfg = launch_config(heads, head_dim, tdtype, backend, arch if backend == "cuda" else 0,
+                        packed=payload is not None)
     opts = _launch_options(cfg)
     block = f"H{cfg['BLOCK_H']} N{cfg['BLOCK_N']} D{cfg['DA']}+{cfg['DB']}"
     if kind == "plan":
         consts = dict(TILE=64 if head_dim == 512 else 128, PACKED=payload is not None,
                       FP8=0 if payload != "u8" else (2 if backend == "cuda" and arch >= 89 else 1),
                       ROPE_BF16=dtype != "fp16", LANES=16, HAS_SINK=True, DOT_FP32=dtype == "fp32", BF16_BY_BITS=False,
-                      **{k: cfg[k] for k in ("BLOCK_H", "BLOCK_N", "DA", "DB")})
-        from .sharedkv.triton import plan_walk_kernel, walk_stages
-        return (plan_walk_kernel, dict(PLAN_SIGNATURE), consts,
-                dict(opts, num_stages=walk_stages(opts, payload is not None)), block, payload)
+                      **{k: cfg[k] for k in ("BLOCK_H", "BLOCK_N", "DA", "DB", "Q_RELOAD")})
+        from .sharedkv.triton import plan_walk_kernel, walk_options
+        return plan_walk_kernel, dict(PLAN_SIGNATURE), consts, walk_options(opts, payload is not None), block, payload
     if kind == "fd":
         from .sharedkv.triton import fd_merge_kernel
         consts = dict(HAS_SINK=True, BLOCK=16, BLOCK_D=128, MAX_SPLIT=64)
@@ -194,12 +197,36 @@ def compile_one(variant: str, heads: int, head_dim: int, dtype: str, target) -> 
                md.num_stages, regs, spills, occ, ok)
 
 
-def matrix(quick: bool, targets=None) -> list[Row]:
-    rows = []
+def dispatched(variant: str, head_dim: int, dtype: str, target) -> bool:
+    """Whether the dispatcher launches this variant on ``target`` (else that call keeps the PyTorch
+    path, or for the plan walk the split-K kernel): the same rules the ops apply at run time
+    (``sparse_mla.triton.kernel_covers`` / ``backward_supports``, ``sharedkv.triton.supports``)."""
+    if variant in INDEXER_VARIANTS:
+        return True
+    import torch
+    from .sparse_mla.triton import kernel_covers
+    backend, arch = target
+    arch = arch if backend == "cuda" else 0
+    kind, _, payload = VARIANTS[variant]
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    if kind == "bwd":
+        return tdtype != torch.float32
+    if kind == "plan" and payload == "u8" and backend == "cuda" and arch < 89:
+        return False                 # fp8 decoded from its bits: the split-K kernel runs instead
+    return kernel_covers(tdtype, head_dim, payload is not None or kind == "qsfa", backend, arch)
+
+
+def matrix(quick: bool, targets=None) -> tuple[list[Row], list[tuple]]:
+    """The compiled rows, and the (variant, heads, head dim, dtype, target) the dispatcher does not
+    launch (they run the PyTorch path)."""
+    rows, skipped = [], []
     for target in targets or TARGETS:
         for v, h, d, t in configurations(quick):
-            rows.append(compile_one(v, h, d, t, target))
-    return rows
+            if dispatched(v, d, t, target):
+                rows.append(compile_one(v, h, d, t, target))
+            else:
+                skipped.append((v, h, d, t, target))
+    return rows, skipped
 
 
 def table(rows: list[Row]) -> str:
@@ -240,8 +267,12 @@ def main(argv=None) -> int:
         print("TRITON_INTERPRET is set: the interpreter replaces every kernel; unset it to compile", file=sys.stderr)
         return 2
     targets = [("cuda", 90), ("hip", "gfx942")] if args.quick else None
-    rows = matrix(args.quick, targets)
+    rows, skipped = matrix(args.quick, targets)
     print(table(rows))
+    if skipped:
+        kinds = sorted({f"{v} {d} {t} on {b}:{a}" for v, _, d, t, (b, a) in skipped})
+        print(f"\nNot launched by the dispatcher (the PyTorch path runs): {len(skipped)} configurations: "
+              + "; ".join(kinds))
     return 1 if args.check and not all(r.ok for r in rows) else 0
 
 

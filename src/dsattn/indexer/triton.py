@@ -51,11 +51,17 @@ def indexer_score_kernel(Q, K, WT, BATCH, NV, BASE, BT, OUT,
     tl.store(OUT + r * stride_or + x, tl.where(valid, score, float("-inf")), mask=x < W)
 
 
-def launch_config(H: int, D: int, backend: str = "cuda") -> dict:
+def launch_config(H: int, D: int, dtype: torch.dtype, backend: str = "cuda") -> dict:
     """All heads in one program (the indexer has at most 64), 64 keys per program; 8 warps (NVIDIA:
-    with 4 the paged variant's address arithmetic spills on sm_90), 4 waves of 64 on AMD."""
-    return dict(BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=64,
-                num_warps=8 if backend == "cuda" else 4, num_stages=2)
+    with 4 the paged variant's address arithmetic spills on sm_90), 4 waves of 64 on AMD.  fp32
+    queries (``ieee`` dots on FMA units): 16 keys per program, ptxas allowed 255 registers (64 keys
+    spill 1.2 KB on sm_90)."""
+    fp32 = dtype == torch.float32
+    cfg = dict(BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+               BLOCK_N=16 if fp32 else 64, num_warps=8 if backend == "cuda" else 4, num_stages=2)
+    if fp32 and backend == "cuda":
+        cfg["maxnreg"] = 255
+    return cfg
 
 
 def supports(P: IndexerProblem) -> bool:
@@ -77,7 +83,7 @@ def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None)
     qf = P.rows.flat_unit_stride(q)
     H, D = qf.size(1), qf.size(2)
     interpreted = dev.type == "cpu"
-    cfg = launch_config(H, D)
+    cfg = launch_config(H, D, q.dtype, "hip" if torch.version.hip else "cuda")
     t = P.k.tensor
     paged = P.k.layout not in ("BSND", "TND")
     key_stride = t.stride(0) if P.k.layout == "TND" else t.stride(1)
@@ -100,7 +106,8 @@ def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None)
                                        n.to(torch.int32).contiguous(), _row_bases(P, b).contiguous(), bt, score,
                                        qf.stride(0), qf.stride(1), w.stride(0), key_stride, t.stride(0),
                                        bt.stride(0) if paged else 0, score.stride(0), H, D, W,
-                                       t.size(1) if paged else 1, PAGED=paged, DOT_FP32=interpreted, **cfg)
+                                       t.size(1) if paged else 1, PAGED=paged,
+                                       DOT_FP32=interpreted or q.dtype == torch.float32, **cfg)
         else:
             score.fill_(float("-inf"))
         idx_out[t0:t1], val_out[t0:t1] = select_topk(score[:, :W] if W else score[:, :0], n, topk,

@@ -16,7 +16,7 @@ import torch
 
 from ..common.checks import content_checks_enabled
 from ..quant.rows import KV_LORA_RANK, TILE_SIZE, PackedKV
-from ..sparse_mla.triton import ADDRESS_BUDGET, RowAttention, head_split
+from ..sparse_mla.triton import ADDRESS_BUDGET, RowAttention, device_target, head_split, kernel_covers
 from .fast import candidate_tokens
 from .problem import QsfaProblem
 
@@ -24,7 +24,8 @@ from .problem import QsfaProblem
 def supports(P: QsfaProblem) -> bool:
     t = P.kv.tensor
     D = KV_LORA_RANK + P.R
-    return (head_split(D)[0] == KV_LORA_RANK and t.stride(-1) == 1 and t.data_ptr() % 4 == 0
+    return (head_split(D)[0] == KV_LORA_RANK and kernel_covers(P.query.dtype, D, True, *device_target(t.device))
+            and t.stride(-1) == 1 and t.data_ptr() % 4 == 0
             and all(t.stride(i) % 4 == 0 for i in range(t.dim() - 1)) and P.R % 2 == 0)
 
 

@@ -31,7 +31,8 @@ import triton.language as tl
 from ..common.triton_lib import sink_logits
 from ..planner.params import FA_CORES, FD_CORES, S2_BASE
 from ..sparse_mla.problem import MlaProblem
-from ..sparse_mla.triton import RowAttention, range_max, range_pv, supports as kernel_supports
+from ..sparse_mla.triton import (RowAttention, fp8_mode, head_parts, range_max, range_pv,
+                                supports as kernel_supports)
 
 INT64_MAX = 2 ** 63 - 1
 FD_BASE = 8 * FA_CORES
@@ -62,7 +63,8 @@ def plan_walk_kernel(TABLE, Q, K, A, ROW_LO, N_M, REC_FIRST, REC_WIN_END, REC_S2
                      G, MB, M_MAX, D, WO, WC, N, ROPE, scale,
                      TILE: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr, ROPE_BF16: tl.constexpr,
                      LANES: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                     DA: tl.constexpr, DB: tl.constexpr, DOT_FP32: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+                     DA: tl.constexpr, DB: tl.constexpr, DOT_FP32: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+                     Q_RELOAD: tl.constexpr):
     core = tl.program_id(0)
     lane = tl.program_id(1)
     entry = TABLE + 8 * core
@@ -106,13 +108,7 @@ def plan_walk_kernel(TABLE, Q, K, A, ROW_LO, N_M, REC_FIRST, REC_WIN_END, REC_S2
                     hmask = (offs_h < G) & (rho >= rho_lo) & (rho < rho_hi)
                     t = (q0 + u).to(tl.int64)
                     q_row = Q + t * stride_qr + offs_h[:, None] * stride_qh
-                    q_a = tl.load(q_row + da[None, :], mask=hmask[:, None] & (da[None, :] < D), other=0.0)
-                    q_b = q_a
-                    if DB > 0:
-                        q_b = tl.load(q_row + db[None, :], mask=hmask[:, None] & (db[None, :] < D), other=0.0)
-                    if DOT_FP32:
-                        q_a = q_a.to(tl.float32)
-                        q_b = q_b.to(tl.float32)
+                    q_a, q_b = head_parts(q_row, hmask, da, db, D, DB, DOT_FP32)
                     A_row = A + t * stride_ar
                     # the segment's key columns: window blocks, then compressed blocks
                     row_lo = tl.load(ROW_LO + t)
@@ -122,10 +118,12 @@ def plan_walk_kernel(TABLE, Q, K, A, ROW_LO, N_M, REC_FIRST, REC_WIN_END, REC_S2
                     c_hi = WO + tl.minimum(tl.maximum(S2_BASE_C * (stop - win_end), 0), WC)
                     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
                     count = tl.zeros([BLOCK_H], tl.int32)
-                    m_i, count = range_max(q_a, q_b, K, A_row, o_lo, o_hi, m_i, count, D, N, ROPE, scale, TILE,
-                                           PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32)
-                    m_i, count = range_max(q_a, q_b, K, A_row, c_lo, c_hi, m_i, count, D, N, ROPE, scale, TILE,
-                                           PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32)
+                    m_i, count = range_max(q_a, q_b, q_row, hmask, K, A_row, o_lo, o_hi, m_i, count, D, N, ROPE,
+                                           scale, TILE, PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS,
+                                           DOT_FP32, Q_RELOAD)
+                    m_i, count = range_max(q_a, q_b, q_row, hmask, K, A_row, c_lo, c_hi, m_i, count, D, N, ROPE,
+                                           scale, TILE, PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS,
+                                           DOT_FP32, Q_RELOAD)
                     sink = tl.full([BLOCK_H], float("-inf"), tl.float32)
                     finite = sink == 0.0
                     if HAS_SINK:
@@ -136,12 +134,12 @@ def plan_walk_kernel(TABLE, Q, K, A, ROW_LO, N_M, REC_FIRST, REC_WIN_END, REC_S2
                     l_i = tl.zeros([BLOCK_H], tl.float32)
                     acc_a = tl.zeros([BLOCK_H, DA], tl.float32)
                     acc_b = tl.zeros([BLOCK_H, DB if DB > 0 else 16], tl.float32)
-                    l_i, acc_a, acc_b = range_pv(q_a, q_b, K, A_row, o_lo, o_hi, m_safe, l_i, acc_a, acc_b, D,
-                                                 N, ROPE, scale, TILE, PACKED, FP8, ROPE_BF16, True, BLOCK_N, DA, DB,
-                                                 Q_TY, BF16_BY_BITS, DOT_FP32)
-                    l_i, acc_a, acc_b = range_pv(q_a, q_b, K, A_row, c_lo, c_hi, m_safe, l_i, acc_a, acc_b, D,
-                                                 N, ROPE, scale, TILE, PACKED, FP8, ROPE_BF16, True, BLOCK_N, DA, DB,
-                                                 Q_TY, BF16_BY_BITS, DOT_FP32)
+                    l_i, acc_a, acc_b = range_pv(q_a, q_b, q_row, hmask, K, A_row, o_lo, o_hi, m_safe, l_i, acc_a,
+                                                 acc_b, D, N, ROPE, scale, TILE, PACKED, FP8, ROPE_BF16, True,
+                                                 BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32, Q_RELOAD)
+                    l_i, acc_a, acc_b = range_pv(q_a, q_b, q_row, hmask, K, A_row, c_lo, c_hi, m_safe, l_i, acc_a,
+                                                 acc_b, D, N, ROPE, scale, TILE, PACKED, FP8, ROPE_BF16, True,
+                                                 BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32, Q_RELOAD)
                     if partial:              # the piece's state, without the sink, for the FD merge
                         ws = slot.to(tl.int64) * MB + (rho - rho_lo)
                         tl.store(WS_M + ws, m_i, mask=hmask)
@@ -207,16 +205,30 @@ def fd_merge_kernel(TABLE, Q_START, SINK, OUT, WS_M, WS_L, WS_ACC, stride_or, st
 
 
 
-def walk_stages(cfg: dict, packed: bool) -> int:
-    """Pipeline stages of the walk: the forward's, but one for packed rows (the walk's extra state
-    and the dequantisation spill on NVIDIA at 3 stages: 80 bytes sm_90, 552 sm_80)."""
-    return 1 if packed else cfg["num_stages"]
+def walk_options(cfg: dict, packed: bool) -> dict:
+    """Launch options of the walk (warps, stages, NVIDIA's ``maxnreg``): the forward's, except
+    * one stage for packed rows (the walk's extra state and the dequantisation spill on NVIDIA at
+      3 stages: 80 bytes sm_90, 552 sm_80);
+    * fp32 at 8 warps with 255 registers, where the forward takes 16 warps capped at 128: the
+      walk's whole-row pieces fit (157-162 registers on sm_90) and at 16 warps its fp8 decoding
+      spills 16 bytes."""
+    opts = {k: cfg[k] for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
+    if packed:
+        opts["num_stages"] = 1
+    if opts.get("maxnreg") == 128:
+        opts.update(num_warps=8, maxnreg=255)
+    return opts
 
 
 def supports(P: MlaProblem) -> bool:
     """Positional calls (a band or causal mask: every valid row is inside the plan) that the forward
-    kernel covers (plain rows, or packed rows dequantised in the kernel)."""
-    return kernel_supports(P) and P.positional
+    kernel covers (plain rows, or packed rows dequantised in the kernel).  Not fp8 rows on NVIDIA
+    GPUs without the hardware conversion (before sm_89): decoding e4m3fn from its bits beside the
+    walk's state spills 192 bytes on sm_80, so those calls take the split-K kernel instead."""
+    dev = P.q.device
+    bit_decoded_fp8 = (P.ori.decode is not None and dev.type == "cuda" and not torch.version.hip
+                       and fp8_mode(P.ori.tensor.dtype, dev) == 1)
+    return kernel_supports(P) and P.positional and not bit_decoded_fp8
 
 
 def row_geometry(P: MlaProblem):
@@ -295,8 +307,7 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
         table, qf, att.base, addr, row_lo, n_m, first, win_end, s2_end, q_start, sinks, out, ws_m, ws_l, ws_acc,
         qf.stride(0), qf.stride(1), out.stride(0), out.stride(1), addr.stride(0), G, mb, M_max, D, Wo, Wc,
         *att.runtime, float(P.scale), LANES=lanes, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], DA=cfg["DA"], DB=cfg["DB"],
-        num_warps=cfg["num_warps"], num_stages=walk_stages(cfg, consts["PACKED"]),
-        **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}), **consts)
+        Q_RELOAD=cfg["Q_RELOAD"], **walk_options(cfg, consts["PACKED"]), **consts)
     fd_merge_kernel[(FD_CORES, triton.cdiv(mb, 16))](
         table, q_start, sinks, out, ws_m, ws_l, ws_acc, out.stride(0), out.stride(1), G, mb, D,
         HAS_SINK=consts["HAS_SINK"], BLOCK=16, BLOCK_D=min(128, triton.next_power_of_2(D)),

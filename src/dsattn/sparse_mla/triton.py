@@ -34,6 +34,20 @@ ADDRESS_BUDGET = 16 << 20        # bytes of key offsets per launch
 
 
 @triton.jit
+def head_parts(row, hmask, da, db, D, DB: tl.constexpr, DOT_FP32: tl.constexpr):
+    """A row's heads (``row``: ``[BLOCK_H, 1]`` pointers) as (main part ``da``, tail ``db``), in the
+    dot's operand type; 0 where ``hmask`` is off.  Without a tail the second is the first."""
+    a = tl.load(row + da[None, :], mask=hmask[:, None] & (da[None, :] < D), other=0.0)
+    b = a
+    if DB > 0:
+        b = tl.load(row + db[None, :], mask=hmask[:, None] & (db[None, :] < D), other=0.0)
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
 def _load_keys(K, off, valid, C0: tl.constexpr, WIDTH: tl.constexpr, D, N, ROPE, TILE: tl.constexpr,
                PACKED: tl.constexpr, FP8: tl.constexpr, ROPE_BF16: tl.constexpr, Q_TY: tl.constexpr,
                BF16_BY_BITS: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -62,11 +76,22 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE: tl.constexpr, scale,
+def _block_scores(q_a, q_b, q_row, hmask, K, A_row, n0, hi, D, N, ROPE, TILE: tl.constexpr, scale,
                   BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr,
-                  ROPE_BF16: tl.constexpr, Q_TY: tl.constexpr, BF16_BY_BITS: tl.constexpr, DOT_FP32: tl.constexpr):
+                  ROPE_BF16: tl.constexpr, Q_TY: tl.constexpr, BF16_BY_BITS: tl.constexpr, DOT_FP32: tl.constexpr,
+                  Q_RELOAD: tl.constexpr):
     """Keys ``n0 .. n0 + BLOCK_N`` (below ``hi``) of a row: scaled scores ``[BLOCK_H, BLOCK_N]``
-    (-inf where no key), the key tiles (main part, tail) and the valid mask."""
+    (-inf where no key), the key tiles (main part, tail) and the valid mask.  ``Q_RELOAD``: the
+    query's heads are read again here (from L1) instead of being held across the loop in ``q_a`` /
+    ``q_b`` -- without wgmma (sm_80) the dot's A operand lives in registers, replicated in every
+    warp, and at 576 it does not fit beside the accumulator."""
+    if Q_RELOAD:
+        db = tl.arange(0, DA)
+        if DB > 0:
+            db = DA + tl.arange(0, DB)
+        # (the mask depends on the block, so the loads are not hoisted out of the loop)
+        live = hmask & ((tl.zeros_like(hmask.to(tl.int32)) + n0) < hi)
+        q_a, q_b = head_parts(q_row, live, tl.arange(0, DA), db, D, DB, DOT_FP32)
     cols = n0 + tl.arange(0, BLOCK_N)
     off = tl.load(A_row + cols, mask=cols < hi, other=-1)
     valid = off >= 0
@@ -83,30 +108,30 @@ def _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE: tl.constexpr, sc
 
 
 @triton.jit
-def range_max(q_a, q_b, K, A_row, lo, hi, m_i, count, D, N, ROPE, scale, TILE: tl.constexpr,
+def range_max(q_a, q_b, q_row, hmask, K, A_row, lo, hi, m_i, count, D, N, ROPE, scale, TILE: tl.constexpr,
               PACKED: tl.constexpr, FP8: tl.constexpr, ROPE_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
               DA: tl.constexpr, DB: tl.constexpr, Q_TY: tl.constexpr, BF16_BY_BITS: tl.constexpr,
-              DOT_FP32: tl.constexpr):
+              DOT_FP32: tl.constexpr, Q_RELOAD: tl.constexpr):
     """Pass 1 over key columns ``[lo, hi)`` of a row's offset list: the running maximum of the scaled
     scores and the count of keys."""
     for n0 in range(lo, hi, BLOCK_N):
-        s, ka, kb, valid = _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE, scale, BLOCK_N, DA, DB, PACKED,
-                                         FP8, ROPE_BF16, Q_TY, BF16_BY_BITS, DOT_FP32)
+        s, ka, kb, valid = _block_scores(q_a, q_b, q_row, hmask, K, A_row, n0, hi, D, N, ROPE, TILE, scale, BLOCK_N,
+                                         DA, DB, PACKED, FP8, ROPE_BF16, Q_TY, BF16_BY_BITS, DOT_FP32, Q_RELOAD)
         m_i = tl.maximum(m_i, tl.max(s, 1))
         count += tl.sum(valid.to(tl.int32), 0)
     return m_i, count
 
 
 @triton.jit
-def range_pv(q_a, q_b, K, A_row, lo, hi, m_safe, l_i, acc_a, acc_b, D, N, ROPE, scale, TILE: tl.constexpr,
-             PACKED: tl.constexpr, FP8: tl.constexpr, ROPE_BF16: tl.constexpr, VALUE_TAIL: tl.constexpr,
-             BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, Q_TY: tl.constexpr,
-             BF16_BY_BITS: tl.constexpr, DOT_FP32: tl.constexpr):
+def range_pv(q_a, q_b, q_row, hmask, K, A_row, lo, hi, m_safe, l_i, acc_a, acc_b, D, N, ROPE, scale,
+             TILE: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr, ROPE_BF16: tl.constexpr,
+             VALUE_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, Q_TY: tl.constexpr,
+             BF16_BY_BITS: tl.constexpr, DOT_FP32: tl.constexpr, Q_RELOAD: tl.constexpr):
     """Pass 2 over key columns ``[lo, hi)``: P = exp(S - m), rounded to the query dtype before P·V
     (the golden's point), the sum from the unrounded P."""
     for n0 in range(lo, hi, BLOCK_N):
-        s, ka, kb, valid = _block_scores(q_a, q_b, K, A_row, n0, hi, D, N, ROPE, TILE, scale, BLOCK_N, DA, DB, PACKED,
-                                         FP8, ROPE_BF16, Q_TY, BF16_BY_BITS, DOT_FP32)
+        s, ka, kb, valid = _block_scores(q_a, q_b, q_row, hmask, K, A_row, n0, hi, D, N, ROPE, TILE, scale, BLOCK_N,
+                                         DA, DB, PACKED, FP8, ROPE_BF16, Q_TY, BF16_BY_BITS, DOT_FP32, Q_RELOAD)
         p = tl.exp(s - m_safe[:, None])
         l_i += tl.sum(p, 1)
         p_q = round_to_q(p, Q_TY, BF16_BY_BITS, DOT_FP32)
@@ -124,7 +149,7 @@ def sparse_mla_fwd_kernel(Q, K, A, SINK, OUT, LSE, SUM, MP, CP, LP, ACCP,
                           HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                           DA: tl.constexpr, DB: tl.constexpr, DOT_FP32: tl.constexpr, BF16_BY_BITS: tl.constexpr,
                           PACKED: tl.constexpr, FP8: tl.constexpr, ROPE_BF16: tl.constexpr,
-                          VALUE_TAIL: tl.constexpr, STATS: tl.constexpr):
+                          VALUE_TAIL: tl.constexpr, STATS: tl.constexpr, Q_RELOAD: tl.constexpr):
     """PHASE 0: a whole row (keys ``[0, W)``), normalised into OUT / LSE.  Split-K (program axis 2 =
     split ``s``, keys ``[s·CHUNK, (s+1)·CHUNK)``): PHASE 1 writes the split's maximum MP and key
     count CP; PHASE 2 forms P against the row maximum over every split's MP and the sink, and
@@ -140,24 +165,18 @@ def sparse_mla_fwd_kernel(Q, K, A, SINK, OUT, LSE, SUM, MP, CP, LP, ACCP,
     Q_TY = Q.dtype.element_ty
     da = tl.arange(0, DA)
     q_row = Q + r * stride_qr + offs_h[:, None] * stride_qh
-    q_a = tl.load(q_row + da[None, :], mask=hmask[:, None] & (da[None, :] < D), other=0.0)
-    if DOT_FP32:
-        q_a = q_a.to(tl.float32)
-    q_b = q_a                        # placeholders when the head dim has no tail (DB == 0)
     db = da
     if DB > 0:
         db = DA + tl.arange(0, DB)
-        q_b = tl.load(q_row + db[None, :], mask=hmask[:, None] & (db[None, :] < D), other=0.0)
-        if DOT_FP32:
-            q_b = q_b.to(tl.float32)
+    q_a, q_b = head_parts(q_row, hmask, da, db, D, DB, DOT_FP32)
     A_row = A + r * stride_ar
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     count = tl.zeros([BLOCK_H], tl.int32)
     if PHASE != 2:
         # pass 1: the maximum over the keys (and, for a whole row, the finite sink), so that P is
         # rounded against the row's global maximum exactly as the golden does (00 §8)
-        m_i, count = range_max(q_a, q_b, K, A_row, lo, hi, m_i, count, D, N, ROPE, scale, TILE, PACKED, FP8,
-                               ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32)
+        m_i, count = range_max(q_a, q_b, q_row, hmask, K, A_row, lo, hi, m_i, count, D, N, ROPE, scale, TILE,
+                               PACKED, FP8, ROPE_BF16, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32, Q_RELOAD)
         if PHASE == 1:
             part = (r * NSPLIT + split) * H + offs_h
             tl.store(MP + part, m_i, mask=hmask)
@@ -175,8 +194,9 @@ def sparse_mla_fwd_kernel(Q, K, A, SINK, OUT, LSE, SUM, MP, CP, LP, ACCP,
     # pass 2: P = exp(S - m), rounded to the query dtype before P·V; l from the unrounded P
     acc_a = tl.zeros([BLOCK_H, DA], tl.float32)
     acc_b = tl.zeros([BLOCK_H, DB if DB > 0 else 16], tl.float32)
-    l_i, acc_a, acc_b = range_pv(q_a, q_b, K, A_row, lo, hi, m_safe, l_i, acc_a, acc_b, D, N, ROPE, scale, TILE,
-                                 PACKED, FP8, ROPE_BF16, VALUE_TAIL, BLOCK_N, DA, DB, Q_TY, BF16_BY_BITS, DOT_FP32)
+    l_i, acc_a, acc_b = range_pv(q_a, q_b, q_row, hmask, K, A_row, lo, hi, m_safe, l_i, acc_a, acc_b, D, N, ROPE,
+                                 scale, TILE, PACKED, FP8, ROPE_BF16, VALUE_TAIL, BLOCK_N, DA, DB, Q_TY,
+                                 BF16_BY_BITS, DOT_FP32, Q_RELOAD)
     if PHASE == 2:
         part = (r * NSPLIT + split) * H + offs_h
         tl.store(LP + part, l_i, mask=hmask)
@@ -239,30 +259,70 @@ def head_split(D: int) -> tuple[int, int]:
     return DA, (0 if D <= DA else max(16, triton.next_power_of_2(D - DA)))
 
 
-def launch_config(H: int, D: int, dtype: torch.dtype, backend: str = "cuda", packed: bool = False) -> dict:
-    """Constexprs and warps the dispatcher selects for a call (also what the AOT compile matrix
-    enumerates).  16 heads x 16 keys per step; NVIDIA: 8 warps (a [16 heads, 512] fp32 accumulator
-    and the key tile fit in registers: 119 per thread at D 512 and 171 at 576 on sm_90, bf16, no
-    spill); AMD: 4 waves of 64 (gfx942's 512 registers per lane, no scratch).  ``maxnreg`` (NVIDIA
-    only) is a launch option like the warps and stages.  Software pipelining
-    (stages) is dropped where its buffers would spill: fp32 key tiles (twice as large; gfx942's
-    64 KB) and packed rows with a head-dim tail (576: the dequantisation's temporaries)."""
+def launch_config(H: int, D: int, dtype: torch.dtype, backend: str = "cuda", arch: int = 90,
+                  packed: bool = False) -> dict:
+    """Constexprs and launch options the dispatcher selects for a call (also what the AOT compile
+    matrix enumerates); ``arch``: NVIDIA compute capability x 10 (:func:`device_target`).
+
+    16 heads x 16 keys per step.  NVIDIA: 8 warps, ptxas allowed 255 registers (``maxnreg``; left
+    alone it may cap a kernel at 128 and spill): a [16 heads, 512] fp32 accumulator and the key
+    tile fit (119 registers at D 512 and 171 at 576 on sm_90, bf16).  fp32 inputs: 16 warps capped
+    at 128 registers (their ``ieee`` dots run on FMA units with fp32 operands twice as wide: at
+    8 warps the split partial sums spill 2.5 KB).  Before sm_90 (no wgmma: the dot's A operand,
+    the query, is held in registers by every warp) a head dim with a tail (576) reads the query
+    again per key block (``Q_RELOAD``) instead of holding it across the loop.  AMD: 4 waves of 64
+    (gfx942's 512 registers per lane, no scratch).  Software pipelining (stages) is dropped where
+    its buffers would spill: fp32 key tiles (twice as large; gfx942's 64 KB) and packed rows with
+    a head-dim tail (576: the dequantisation's temporaries)."""
     DA, DB = head_split(D)
-    lean = dtype == torch.float32 or (packed and DB > 0)
+    fp32 = dtype == torch.float32
+    lean = fp32 or (packed and DB > 0)
     stages = 1 if lean else (3 if backend == "cuda" else 2)
-    cfg = dict(BLOCK_H=16, BLOCK_N=16, DA=DA, DB=DB, num_warps=8 if backend == "cuda" else 4, num_stages=stages)
+    cfg = dict(BLOCK_H=16, BLOCK_N=16, DA=DA, DB=DB, Q_RELOAD=pre_hopper(backend, arch) and DB > 0,
+               num_warps=8 if backend == "cuda" else 4, num_stages=stages)
     if backend == "cuda":
-        # let ptxas use the registers 8 warps allow: left alone it may cap a kernel at 128 and spill
-        # (sm_80, D 512 bf16: 128 registers + 48 bytes of spill; with the cap lifted 164, none)
-        cfg["maxnreg"] = 255
+        cfg.update(num_warps=16, maxnreg=128) if fp32 else cfg.update(maxnreg=255)
     return cfg
+
+
+def pre_hopper(backend: str, arch: int) -> bool:
+    """NVIDIA GPUs before sm_90 (sm_80 / 86 / 89): no wgmma, the dots' operands are held in
+    registers by every warp that takes part.  (Consumer Blackwell, sm_120, has no wgmma either,
+    but its ptxas fits every configuration without a spill: ``gpu_static``.)"""
+    return backend == "cuda" and arch < 90
+
+
+def kernel_covers(dtype: torch.dtype, D: int, packed: bool, backend: str, arch: int) -> bool:
+    """Whether the dispatcher runs the forward kernels (whole row, split-K, plan walk, QSFA) for this
+    precision / head dim / target, or keeps the PyTorch path: the kernels must compile without a
+    register spill (``python -m dsattn.gpu_static --check``).  Before sm_90 (:func:`pre_hopper`),
+    a head dim with a tail (V3.2's 576) fits only in half precision
+    over plain rows (reading the query per key block, ``Q_RELOAD``): packed rows add the
+    dequantisation's temporaries (84-116 bytes of spill on sm_80) and fp32 doubles the operands
+    (12 bytes at 16 warps), so those two keep the PyTorch path."""
+    if pre_hopper(backend, arch) and head_split(D)[1] > 0:
+        return not packed and dtype != torch.float32
+    return dtype != torch.float64
+
+
+def device_target(device: torch.device) -> tuple[str, int]:
+    """``(backend, arch)`` for :func:`launch_config`: ``("hip", 0)`` on ROCm, ``("cuda", major x 10 +
+    minor)`` on NVIDIA; the interpreter (CPU tensors) is given sm_90's configuration."""
+    if device.type != "cuda":
+        return "cuda", 90
+    if torch.version.hip:
+        return "hip", 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return "cuda", 10 * major + minor
 
 
 def supports(P: MlaProblem) -> bool:
     """Inputs this kernel covers (else the PyTorch path runs): float16 / bfloat16 / float32 queries,
     unit-stride KV rows; packed rows with a power-of-two tile of at most the head dim's main part,
-    whose rope part and fp32 scales are 2- and 4-byte aligned in every row."""
-    if P.q.dtype == torch.float64:
+    whose rope part and fp32 scales are 2- and 4-byte aligned in every row; and what
+    :func:`kernel_covers` allows on the device."""
+    packed = P.ori.decode is not None
+    if not kernel_covers(P.q.dtype, P.ori.D, packed, *device_target(P.q.device)):
         return False
     for src in (s for s in (P.ori, P.cmp) if s is not None):
         t = src.tensor
@@ -348,7 +408,7 @@ class RowAttention:
         interpreted = dev.type == "cpu"          # only under TRITON_INTERPRET=1 (backend.use_triton)
         # the interpreter's fp32 -> bf16 cast truncates: it writes fp32 and torch rounds (nearest even)
         self.bf16_by_bits = interpreted and q_dtype == torch.bfloat16
-        self.cfg = launch_config(H, D, q_dtype, "hip" if torch.version.hip else "cuda", packed=packed is not None)
+        self.cfg = launch_config(H, D, q_dtype, *device_target(dev), packed=packed is not None)
         layout = packed_layout(packed, D, kv[0].dtype, q_dtype, dev)
         self.runtime = (layout.pop("N"), layout.pop("ROPE"))
         self.consts = dict(DOT_FP32=interpreted or q_dtype == torch.float32, BF16_BY_BITS=self.bf16_by_bits,
@@ -432,15 +492,7 @@ def forward(P: MlaProblem, return_softmax_lse: bool, splits: int | None = None):
 def _load_row(X, r, stride_r, stride_h, offs_h, rmask, da, db, D, DB: tl.constexpr, DOT_FP32: tl.constexpr):
     """One row's heads ``[BLOCK_H, D]`` as (main part, tail); 0 where ``rmask`` is off (padding rows
     may hold anything, NaN included, and must not reach a gradient)."""
-    row = X + r * stride_r + offs_h[:, None] * stride_h
-    a = tl.load(row + da[None, :], mask=rmask[:, None] & (da[None, :] < D), other=0.0)
-    b = a
-    if DB > 0:
-        b = tl.load(row + db[None, :], mask=rmask[:, None] & (db[None, :] < D), other=0.0)
-    if DOT_FP32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return a, b
+    return head_parts(X + r * stride_r + offs_h[:, None] * stride_h, rmask, da, db, D, DB, DOT_FP32)
 
 
 @triton.jit
@@ -517,11 +569,14 @@ def sparse_mla_bwd_kernel(Q, DO, O, LSE, K, A, G, VALID, SINK, DQ, DKV, DSINK, P
 
 
 def backward_supports(P: MlaProblem) -> bool:
-    """The gradient kernel covers unpacked KV and head dims without a tail (V4's 512 and below): at
-    V3.2's 576 its q, dO, dq and dK tiles spill registers on NVIDIA (ptxas: 100-144 bytes at 8
-    warps, more at 16), so that case keeps the PyTorch path, which the spec's V4 training does not
-    need (20 §2.2: D = 512)."""
-    return (supports(P) and head_split(P.ori.D)[1] == 0
+    """The gradient kernel covers half-precision queries, unpacked KV and head dims without a tail
+    (V4's 512 and below).  It holds q, dO, dq and dK tiles at once, and two cases spill registers,
+    so they keep the PyTorch path:
+    - V3.2's 576 (ptxas: 100-144 bytes at 8 warps, more at 16), which the spec's V4 training does
+      not need (20 §2.2: D = 512);
+    - fp32 queries (``ieee`` fp32 dots on FMA units: 88-460 bytes on NVIDIA at 8 or 16 warps,
+      380 on gfx942)."""
+    return (supports(P) and head_split(P.ori.D)[1] == 0 and P.q.dtype != torch.float32
             and all(src.decode is None for src in (P.ori, P.cmp) if src is not None))
 
 
@@ -544,8 +599,9 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
     R, H, D = qf.shape
     interpreted = dev.type == "cpu"
     bf16_by_bits = interpreted and q.dtype == torch.bfloat16
-    cfg = launch_config(H, D, q.dtype, "hip" if torch.version.hip else "cuda")
+    cfg = launch_config(H, D, q.dtype, *device_target(dev))
     cfg["num_stages"] = 1                    # the kernel holds q, dO, dq and dK tiles: no room to pipeline
+    del cfg["Q_RELOAD"]                      # (only 512-wide heads reach it: no tail)
     srcs = [src for src in (P.ori, P.cmp) if src is not None]
     base = min((src.tensor for src in srcs), key=lambda t: t.data_ptr())
     n_ori = P.ori.tensor.numel() // D
