@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from dsattn import serving
-from dsattn.planner import fast, ref, table
+from dsattn import native, serving
+from dsattn.planner import fast, native as native_planner, ref, table
 from dsattn.planner.params import plan_params
 
 import dsattn.sharedkv  # noqa: F401  (registers the ops)
@@ -166,8 +166,29 @@ def random_workload(rng: random.Random) -> dict:
                 support_fd=support_fd, ori_mask_mode=mode, ori_win_left=rng.choice([127, 127, 5, -1]), **kw)
 
 
+def _native_module():
+    """The compiled layer where this machine builds it (a C++ compiler is present: a failed build is a
+    failure, not a skip); None with DSATTN_NATIVE=0 or without a compiler."""
+    module = native.load()
+    if module is None and native.requested() and native.compiler_available():
+        pytest.fail(f"the native layer did not build: {native.status()}")
+    return module
+
+
+@pytest.fixture(params=["numpy", "native"])
+def planner_path(request, monkeypatch):
+    """Run a test through the NumPy fast planner (DSATTN_NATIVE=0) and through the compiled one."""
+    if request.param == "numpy":
+        monkeypatch.setenv("DSATTN_NATIVE", "0")
+    elif _native_module() is None:
+        pytest.skip(f"no compiled planner here: {native.status()}")
+    return request.param
+
+
 @pytest.mark.parametrize("chunk", range(8))
-def test_fast_equals_golden_on_1000_random_workloads(chunk):
+def test_fast_and_native_equal_golden_on_1000_random_workloads(chunk):
+    """The NumPy fast planner and the compiled one (when this machine builds it) against the golden."""
+    module = _native_module()
     rng = random.Random(1000 + chunk)
     for n in range(125):
         kw = random_workload(rng)
@@ -177,6 +198,11 @@ def test_fast_equals_golden_on_1000_random_workloads(chunk):
         g = ref.plan(pp, rows)
         f = table.encode(fast.plan(pp))
         assert torch.equal(table.encode(g), f), f"workload {chunk}/{n}: {kw}"
+        if module is not None:
+            args = dict(kw)
+            t = native_planner.plan_table(module, args.pop("num_heads_q"), args.pop("num_heads_kv"),
+                                          args.pop("head_dim"), **args)
+            assert torch.equal(f, t), f"native, workload {chunk}/{n}: {kw}"
         table.check_invariants(g, lambda bn2: rows[bn2] if bn2 < pp.B else [], pp.B, pp.aic, pp.aiv,
                                pp.support_fd)
 
@@ -207,19 +233,19 @@ def test_invariant_checker_catches_broken_tables():
     (dict(cu_seqlens_q=i32([0, 5, 3])), "cu_seqlens_q"), (dict(seqused_kv=i32([5, -1])), "seqused_kv"),
     (dict(seqused_kv=i32([5])), "seqused_kv"), (dict(ori_win_left=-2), "ori_win_left"),
     (dict(head_dim=0), "head_dim")])
-def test_rejections(over, arg):
+def test_rejections(over, arg, planner_path):
     kw = dict(**BASE, cu_seqlens_q=cu([3, 2]), seqused_kv=i32([5, 9]), cmp_ratio=4, cmp_topk=512)
     kw.update(over)
     with pytest.raises(ValueError, match=f"^{arg}"):
         meta(**kw)
 
 
-def test_rejects_non_int32_lengths():
+def test_rejects_non_int32_lengths(planner_path):
     with pytest.raises(TypeError, match="^seqused_kv"):
         meta(**BASE, cu_seqlens_q=cu([3]), seqused_kv=torch.tensor([5]), **SWA)
 
 
-def test_host_helper_contract(monkeypatch):
+def test_host_helper_contract(monkeypatch, planner_path):
     kw = dict(cmp_ratio=4, cmp_topk=512)
     c, s = cu([1, 7, 0]), i32([5000, 90, 3])
     want = meta(**BASE, cu_seqlens_q=c, seqused_kv=s, **kw)
@@ -258,3 +284,22 @@ def test_plan_cli_and_plot(tmp_path, capsys):
                  "--fd"]) == 0
     text = capsys.readouterr().out
     assert "balance" in text and "FD tasks 1 on 8 vector cores" in text
+
+
+@pytest.mark.parametrize("over", [dict(cu_seqlens_q=i32([0, 5, 3])), dict(cu_seqlens_q=i32([-1, 2, 5])),
+                                  dict(cu_seqlens_q=i32([])), dict(seqused_kv=i32([5, -1])),
+                                  dict(seqused_kv=i32([5])), dict(batch_size=3)],
+                         ids=["decreasing", "negative-start", "empty", "negative-kv", "short-kv", "batch"])
+def test_native_and_numpy_planners_reject_lengths_alike(over, monkeypatch):
+    """The compiled planner resolves the length mirrors itself: same exception type and message."""
+    if _native_module() is None:
+        pytest.skip(f"no compiled planner here: {native.status()}")
+    kw = dict(**BASE, cu_seqlens_q=cu([3, 2]), seqused_kv=i32([5, 9]), cmp_ratio=4, cmp_topk=512)
+    kw.update(over)
+    with pytest.raises(Exception) as compiled:
+        meta(**kw)
+    monkeypatch.setenv("DSATTN_NATIVE", "0")
+    with pytest.raises(Exception) as numpy_path:
+        meta(**kw)
+    assert type(compiled.value) is type(numpy_path.value) is ValueError
+    assert str(compiled.value) == str(numpy_path.value), (compiled.value, numpy_path.value)

@@ -53,3 +53,17 @@ def interpreting() -> bool:
     """Triton's interpreter mode (``TRITON_INTERPRET=1``, fixed when triton is first imported)."""
     from triton import knobs
     return bool(knobs.runtime.interpret)
+
+
+def describe() -> str:
+    """``dsattn bench --which``: the implementation each piece takes on this machine, one line each."""
+    from . import native
+    lines = [f"DSATTN_BACKEND={requested()}: "
+             + ("CUDA tensors run the Triton kernels" if requested() != "torch" and triton_available()
+                else "every device runs the vectorised PyTorch path")
+             + (f" (this machine: {torch.cuda.get_device_name()})" if torch.cuda.is_available() else
+                " (this machine: no CUDA device)"),
+             "CPU attention / indexer / backward: vectorised PyTorch",
+             f"metadata planner: {native.status()}"
+             + ("" if native.load() is not None else "; the NumPy fast planner runs")]
+    return "\n".join(lines)

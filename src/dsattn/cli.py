@@ -160,6 +160,10 @@ def _plan_table(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.which:
+        from .backend import describe
+        print(describe())
+        return 0
     if args.family and "gpu" in args.family:
         return _bench_gpu_static(args)
     from .benchmarks import runner
@@ -234,12 +238,15 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of per-core cost")
     p.set_defaults(fn=_plan)
     bn = sub.add_parser("bench", help="CPU benchmarks: ceilings, every family's workloads, RESULTS.md")
-    bn.add_argument("--family", action="append", choices=("attention", "indexer", "backward", "kv_quant", "gpu"),
+    bn.add_argument("--family", action="append",
+                    choices=("attention", "indexer", "backward", "kv_quant", "planner", "gpu"),
                     help="run only this family (repeatable); gpu: the Triton kernels (--static: the AOT compile "
                          "table)")
     bn.add_argument("--static", action="store_true", help="with --family gpu: compile for GPU targets, no GPU needed")
     bn.add_argument("--smoke", action="store_true", help="tiny shapes: checks the scripts run and match the golden")
     bn.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    bn.add_argument("--which", action="store_true",
+                    help="instead: print which implementation each piece runs on this machine and exit")
     bn.set_defaults(fn=_bench)
     args = parser.parse_args(argv)
     if args.command == "verify" and args.fuzz is None and (args.family or args.seed is not None):

@@ -141,3 +141,72 @@ def sharedkv_packed(smoke=False, results=None):
             from ..testing import compare
             results[-1].extra["matches_golden"] = bool(compare(got, want))
     return results
+
+
+def _plan_workload(S1, S2, scenario):
+    cu = [0]
+    for s in S1:
+        cu.append(cu[-1] + s)
+    sc = {"CSA": dict(cmp_ratio=4, cmp_topk=512), "HCA": dict(cmp_ratio=128, cmp_topk=0),
+          "SWA": dict(has_cmp_kv=False, cmp_ratio=1)}[scenario]
+    return dict(num_heads_q=64, num_heads_kv=1, head_dim=512, layout_q="TND", layout_kv="PA_ND",
+                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), seqused_kv=torch.tensor(S2, dtype=torch.int32),
+                aic_core_num=24, aiv_core_num=48, support_fd=True, ori_win_left=127, **sc)
+
+
+def planner(smoke=False, results=None):
+    """The metadata planner (issue 15): one serving step's plan from the CPU mirrors to the 1024-int32
+    table, through the golden (Python), the NumPy fast planner and the compiled planner, in one run
+    (median of many calls; the golden only on the small workloads)."""
+    import random
+    import time
+
+    from .. import native
+    from ..planner import fast, native as native_planner, ref
+    from ..planner.params import plan_params
+    from ..planner.table import encode
+    results = [] if results is None else results
+    rng = random.Random(0)
+    decode = (256, [1] * 256, [rng.randint(1000, 65536) for _ in range(256)])
+    mixed = (64, [8192] * 4 + [1] * 60, [8192] * 4 + [rng.randint(1000, 65536) for _ in range(60)])
+    workloads = [("decode B32", 32, [1] * 32, [rng.randint(1000, 65536) for _ in range(32)], "CSA")] if smoke else [
+        ("decode B256", *decode, "CSA"), ("decode B256", *decode, "HCA"),
+        ("mixed 4x8K prefill + 60 decode", *mixed, "CSA"), ("mixed 4x8K prefill + 60 decode", *mixed, "HCA"),
+        ("mixed 4x8K prefill + 60 decode", *mixed, "SWA")]
+    module = native.load()
+
+    def median_s(fn, n):
+        fn()
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return sorted(ts)[len(ts) // 2]
+
+    def args_of(kw):
+        a = dict(kw)
+        return a.pop("num_heads_q"), a.pop("num_heads_kv"), a.pop("head_dim"), a
+
+    for name, B, S1, S2, scenario in workloads:
+        h, hk, d, rest = args_of(_plan_workload(S1, S2, scenario))
+        pp = plan_params(h, hk, d, **rest)
+        m_blocks = sum(len(ref.batch_rows(pp, b)) for b in range(pp.B))
+        # the path build_table takes is the default: the compiled planner where it is loaded
+        numpy_name = "NumPy fast planner" if module is not None else "dsattn (default): NumPy fast planner"
+        variants = [(numpy_name, lambda: encode(fast.plan(plan_params(h, hk, d, **rest))), 10)]
+        if module is not None:
+            variants.append(("dsattn (default): compiled planner",
+                             lambda: native_planner.plan_table(module, h, hk, d, **rest), 200))
+        if smoke or "mixed" not in name:
+            variants.insert(0, ("golden (Python)", lambda: encode(ref.plan(plan_params(h, hk, d, **rest))), 3))
+        tables = {}
+        for variant, fn, n in variants:
+            tables[variant] = fn()
+            results.append(Result("planner", f"{name}, {scenario} (64 heads, {m_blocks} m-blocks)", variant,
+                                  median_s(fn, n)))
+        first = next(iter(tables.values()))
+        same = all(torch.equal(t, first) for t in tables.values())
+        for r in results[-len(variants):]:
+            r.note = f"{1e6 * r.seconds:.0f} us per plan; tables identical: {same}"
+    return results

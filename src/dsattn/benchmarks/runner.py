@@ -13,9 +13,10 @@ from . import attention, others
 from .harness import Result, measure_ceilings
 
 FAMILIES = {"attention": attention.run, "indexer": others.indexer, "backward": others.backward,
-            "kv_quant": others.kv_quant}
+            "kv_quant": others.kv_quant, "planner": others.planner}
 BASE = "dsattn (default)"
-BASE_VARIANTS = (BASE, "dsattn", "dsattn fwd + grad")
+BASE_VARIANTS = (BASE, "dsattn", "dsattn fwd + grad", "dsattn (default): compiled planner",
+                 "dsattn (default): NumPy fast planner")
 
 
 def run(families=None, smoke=False, progress=None):

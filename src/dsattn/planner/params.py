@@ -65,20 +65,6 @@ class PlanParams:
         return min(self.S1[b], self.S2[b])
 
 
-def _host_lengths(arg: str, t: torch.Tensor | None, allow_device: bool) -> list[int] | None:
-    if t is None:
-        return None
-    if t.dtype != torch.int32:
-        fail(arg, f"dtype {t.dtype} is not supported; expected torch.int32", TypeError)
-    if t.dim() != 1:
-        fail(arg, f"expected a 1-D tensor, got shape {tuple(t.shape)}")
-    if t.device.type != "cpu":
-        if not allow_device:
-            fail(arg, f"must be a CPU int32 tensor (the host planner never reads device memory), got device {t.device}")
-        t = t.cpu()                                   # the operator's documented blocking copy (§1.1)
-    return [int(v) for v in t.tolist()]
-
-
 def _diffs(arg: str, cu: list[int]) -> list[int]:
     if len(cu) < 1:
         fail(arg, "expected shape [B+1] with B >= 0, got an empty tensor")
@@ -92,12 +78,11 @@ def _diffs(arg: str, cu: list[int]) -> list[int]:
     return out
 
 
-def plan_params(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
-                cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, batch_size=0, max_seqlen_q=0,
-                max_seqlen_kv=0, ori_topk=0, cmp_topk=0, cmp_ratio=-1, ori_mask_mode=4, cmp_mask_mode=3,
-                ori_win_left=127, ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", has_ori_kv=True,
-                has_cmp_kv=True, aic_core_num=24, aiv_core_num=48, support_fd=False,
-                allow_device=True) -> PlanParams:
+def check_scalars(num_heads_q, num_heads_kv, head_dim, *, batch_size=0, max_seqlen_q=0, max_seqlen_kv=0, cmp_topk=0,
+                  cmp_ratio=-1, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=127, ori_win_right=0,
+                  layout_q="BSND", layout_kv="PA_ND", has_ori_kv=True, has_cmp_kv=True, aic_core_num=24,
+                  aiv_core_num=48, support_fd=False) -> None:
+    """The checks of every argument but the length tensors (50 §1.1)."""
     if num_heads_kv != 1:
         fail("num_heads_kv", f"value {num_heads_kv} is not supported; the shared-KV planner needs 1")
     if num_heads_q < 1:
@@ -128,11 +113,46 @@ def plan_params(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, cu_se
     for name, v in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
         if v < 0:
             fail(name, f"value {v} must be >= 0")
-    sq = _host_lengths("seqused_q", seqused_q, allow_device)
-    cq = _host_lengths("cu_seqlens_q", cu_seqlens_q, allow_device)
-    skv = _host_lengths("seqused_kv", seqused_kv, allow_device)
-    ckv = _host_lengths("cu_seqlens_ori_kv", cu_seqlens_ori_kv, allow_device)
-    _host_lengths("cu_seqlens_cmp_kv", cu_seqlens_cmp_kv, allow_device)     # accepted, unused
+
+
+LENGTH_NAMES = ("seqused_q", "cu_seqlens_q", "seqused_kv", "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv")
+
+
+def length_tensors(allow_device: bool, **lengths) -> dict:
+    """The length mirrors (``LENGTH_NAMES``) checked for dtype and rank, as CPU tensors (a device
+    tensor is copied, blocking, where the operator allows it: 50 §1.1); None stays None."""
+    out = {}
+    for arg in LENGTH_NAMES:
+        t = lengths.get(arg)
+        if t is not None:
+            if t.dtype != torch.int32:
+                fail(arg, f"dtype {t.dtype} is not supported; expected torch.int32", TypeError)
+            if t.dim() != 1:
+                fail(arg, f"expected a 1-D tensor, got shape {tuple(t.shape)}")
+            if t.device.type != "cpu":
+                if not allow_device:
+                    fail(arg, f"must be a CPU int32 tensor (the host planner never reads device memory), got device "
+                         f"{t.device}")
+                t = t.cpu()
+        out[arg] = t
+    return out
+
+
+def plan_params(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, batch_size=0, max_seqlen_q=0,
+                max_seqlen_kv=0, ori_topk=0, cmp_topk=0, cmp_ratio=-1, ori_mask_mode=4, cmp_mask_mode=3,
+                ori_win_left=127, ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", has_ori_kv=True,
+                has_cmp_kv=True, aic_core_num=24, aiv_core_num=48, support_fd=False,
+                allow_device=True) -> PlanParams:
+    check_scalars(num_heads_q, num_heads_kv, head_dim, batch_size=batch_size, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_kv=max_seqlen_kv, cmp_topk=cmp_topk, cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode,
+                  cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left, ori_win_right=ori_win_right,
+                  layout_q=layout_q, layout_kv=layout_kv, has_ori_kv=has_ori_kv, has_cmp_kv=has_cmp_kv,
+                  aic_core_num=aic_core_num, aiv_core_num=aiv_core_num, support_fd=support_fd)
+    ts = length_tensors(allow_device, seqused_q=seqused_q, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv,
+                        cu_seqlens_ori_kv=cu_seqlens_ori_kv, cu_seqlens_cmp_kv=cu_seqlens_cmp_kv)
+    sq, cq, skv, ckv = ([int(v) for v in t.tolist()] if t is not None else None
+                        for t in (ts["seqused_q"], ts["cu_seqlens_q"], ts["seqused_kv"], ts["cu_seqlens_ori_kv"]))
     if sq is not None:
         B = len(sq)
     elif layout_q == "TND" and cq is not None:

@@ -14,7 +14,8 @@ import torch
 from .._registry import register
 from ..backend import use_triton
 from ..common.checks import content_checks_enabled
-from ..planner import fast as fast_planner
+from .. import native
+from ..planner import fast as fast_planner, native as native_planner
 from ..planner.params import TABLE_SIZE, plan_params
 from ..planner.table import encode
 from ..quant.rows import PackedKV
@@ -85,7 +86,11 @@ def _packed_fake(q, *, kv_rope_dim=64, kv_tile_size=64, **kw):
 
 
 def build_table(num_heads_q, num_heads_kv, head_dim, *, allow_device=True, **kw) -> torch.Tensor:
-    """The plan as a CPU int32 ``(1024,)`` tensor (the fast planner; byte-identical to the golden)."""
+    """The plan as a CPU int32 ``(1024,)`` tensor: the compiled planner when the native layer is
+    loaded (:mod:`dsattn.native`), else the NumPy fast planner; both byte-identical to the golden."""
+    module = native.load()
+    if module is not None:
+        return native_planner.plan_table(module, num_heads_q, num_heads_kv, head_dim, allow_device=allow_device, **kw)
     return encode(fast_planner.plan(plan_params(num_heads_q, num_heads_kv, head_dim, allow_device=allow_device, **kw)))
 
 

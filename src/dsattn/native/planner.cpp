@@ -1,0 +1,497 @@
+// The metadata planner (spec 50 §2-§3) in C++: the golden of dsattn/planner/ref.py transcribed
+// statement for statement (row records, the greedy AssignByBatch / AssignByRow / AssignByBlock /
+// ForceAssign loop, RecordFDInfo, the FD split), writing the 1024-int32 table directly.  It also
+// resolves the per-batch lengths from the CPU int32 mirrors with the checks of
+// dsattn/planner/params.py (same messages; std::invalid_argument reaches Python as ValueError),
+// so a serving step's plan costs one call and no Python loop.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+using i64 = int64_t;
+constexpr i64 S2_BASE = 512;
+constexpr i64 INF = INT64_MAX;
+constexpr int FA_CORES = 36;
+constexpr int FD_CORES = 72;
+constexpr int FD_BASE = 8 * FA_CORES;
+constexpr int TABLE_SIZE = 1024;
+
+[[noreturn]] void fail(const std::string& arg, const std::string& msg) {
+  throw std::invalid_argument(arg + ": " + msg);
+}
+
+inline i64 cdiv(i64 a, i64 b) { return (a + b - 1) / b; }  // (only non-negative operands occur)
+
+__attribute__((always_inline)) inline i64 cost(i64 M, i64 N) { return 6 * cdiv(M, 16) + 10 * cdiv(N, 64); }
+
+struct Params {
+  i64 B, N1, N2;
+  std::vector<i64> S1, S2;
+  bool has_cmp;
+  i64 cmp_topk, cmp_ratio, ori_mask_mode, ori_win_left, aic, aiv;
+  bool support_fd;
+
+  // derived once (finish()): the row loops must not divide by runtime values
+  i64 g_, m_base_, k_ = 0, tail_q_ = 0, ratio_shift_ = -1;
+  bool divides_ = false;
+
+  void finish() {
+    g_ = N1 / N2;
+    m_base_ = is_scfa() ? g_ : 256;
+    divides_ = m_base_ % g_ == 0;
+    if (divides_) { k_ = m_base_ / g_; tail_q_ = (m_base_ - 1) / g_; }
+    if (cmp_ratio > 0 && (cmp_ratio & (cmp_ratio - 1)) == 0) ratio_shift_ = __builtin_ctzll((unsigned long long)cmp_ratio);
+  }
+  i64 G() const { return g_; }
+  bool is_scfa() const { return has_cmp && cmp_topk > 0; }
+  i64 m_base() const { return m_base_; }
+  bool no_mask() const { return ori_mask_mode == 0; }
+  i64 pre() const { return (ori_mask_mode == 4 && ori_win_left > -1) ? ori_win_left : INF; }
+  bool high_perf_gate() const { return is_scfa() && N1 == 128 && cmp_topk == 1024 && !support_fd; }
+  i64 S1v(i64 b) const { return std::min(S1[b], S2[b]); }
+};
+
+struct Row {
+  i64 cost, blocks, last_block_cost, s2_start, s2_end, win_end, cmp_start, cmp_end, win_tail, cmp_tail;
+  bool tail_row;
+  i64 s1g_tail;
+};
+
+__attribute__((always_inline)) inline i64 type_cost(const Params& pp, i64 s1g_tail, bool row_t, bool col_t, i64 tail) {
+  const i64 m = pp.m_base();
+  if (!row_t && !col_t) return cost(m, S2_BASE);
+  if (row_t && !col_t) return s1g_tail ? cost(s1g_tail, S2_BASE) : 0;
+  if (!row_t && col_t) return tail ? cost(m, tail) : 0;
+  return (s1g_tail && tail) ? cost(s1g_tail, tail) : 0;
+}
+
+inline i64 block_cost(const Params& pp, const Row& r, i64 k) {
+  if (k < r.win_end) return type_cost(pp, r.s1g_tail, r.tail_row, k == r.win_end - 1 && r.win_tail != 0, r.win_tail);
+  return type_cost(pp, r.s1g_tail, r.tail_row, k == r.cmp_end - 1 && r.cmp_tail != 0, r.cmp_tail);
+}
+
+bool high_perf(const Params& pp, i64 b) {
+  const i64 s1v = pp.S1v(b), s2 = pp.S2[b];
+  return pp.high_perf_gate() && (s1v >= s2 || s2 - s1v + 1 < pp.cmp_topk * pp.cmp_ratio);
+}
+
+// Per-batch constants of the row records (§2.2).
+struct Batch {
+  i64 S1, S2, S1v, n_m, s1g_tail;
+  // pre_lu is at most INF (the window unbounded on the left): S1v <= S2 makes S1v - S2 + INF fit, and
+  // the window start fq - pre_lu >= -INF, so 64 bits hold what Python's ints hold here
+  i64 pre_lu, next_lu;
+  i64 c_norm, c_tail_row;    // cost of a full s2-block in a full / the tail m-block (type NN, TN)
+  bool hp;
+};
+
+Batch batch_of(const Params& pp, i64 b) {
+  Batch g;
+  const i64 G = pp.G(), m_base = pp.m_base();
+  g.S1 = pp.S1[b];
+  g.S2 = pp.S2[b];
+  g.S1v = std::min(g.S1, g.S2);
+  g.n_m = cdiv(g.S1v * G, m_base);
+  g.s1g_tail = (g.S1v * G) % m_base;
+  if (pp.ori_mask_mode == 4) {
+    g.pre_lu = g.S1v - g.S2 + pp.pre();
+    g.next_lu = g.S2 - g.S1v;
+  } else {
+    g.pre_lu = pp.pre();
+    g.next_lu = g.S2 - g.S1v;
+  }
+  g.c_norm = type_cost(pp, g.s1g_tail, false, false, 0);
+  g.c_tail_row = type_cost(pp, g.s1g_tail, true, false, 0);
+  g.hp = high_perf(pp, b);
+  return g;
+}
+
+// Row record ``idx`` of a batch (ref.batch_rows' loop body).  Rows are computed on demand, so no
+// per-row divisions by runtime values remain on the common path: heads per KV head divide the
+// m-block (G | m_base) and the compression ratio is a power of two.
+// The part of a row record that depends on its position: window blocks and tail, compressed
+// entries, the tail-row flag, and the last key (for the high-performance cost).  Equal shapes give
+// equal records, so the aggregation pass costs a row only when its shape changes.
+struct Shape {
+  i64 win_end, win_tail, act, lst;
+  bool row_t;
+  bool operator==(const Shape& o) const {
+    return win_end == o.win_end && win_tail == o.win_tail && act == o.act && lst == o.lst && row_t == o.row_t;
+  }
+};
+
+__attribute__((always_inline)) inline Shape shape_at(const Params& pp, const Batch& g, i64 idx) {
+  const i64 G = pp.G(), m_base = pp.m_base();
+  bool empty = false;
+  i64 first, last;
+  if (g.S1 == 0 || g.S2 == 0) {
+    first = last = 0;
+    empty = true;
+  } else if (pp.no_mask()) {
+    first = 0;
+    last = g.S2 - 1;
+  } else {
+    const i64 f = idx * m_base;
+    const i64 l = std::min(f + m_base, g.S1v * G) - 1;
+    i64 fq, lq;
+    if (pp.divides_) {
+      fq = idx * pp.k_;
+      lq = f + m_base <= g.S1v * G ? idx * pp.k_ + pp.tail_q_ : g.S1v - 1;
+    } else {
+      fq = f / G;
+      lq = l / G;
+    }
+    first = fq - g.pre_lu;
+    last = lq + g.next_lu;
+  }
+  i64 win_end, win_tail, lst;
+  if (empty || first >= g.S2 || last < 0 || last < first) {
+    win_end = win_tail = 0;
+    lst = 0;
+  } else {
+    const i64 fst = std::max<i64>(first, 0);
+    lst = std::min<i64>(last, g.S2 - 1);
+    win_end = (lst - fst) / S2_BASE + 1;
+    win_tail = (lst - fst + 1) % S2_BASE;
+  }
+  i64 cmp_tok = 0;
+  if (pp.has_cmp) {
+    cmp_tok = pp.ratio_shift_ >= 0 ? (lst + 1) >> pp.ratio_shift_ : (lst + 1) / pp.cmp_ratio;
+  }
+  const i64 act = pp.is_scfa() ? std::min(cmp_tok, pp.cmp_topk) : cmp_tok;
+  // (the last key matters to the cost only through the high-performance formula)
+  return Shape{win_end, win_tail, act, g.hp ? lst : 0, idx == g.n_m - 1 && g.s1g_tail != 0};
+}
+
+__attribute__((always_inline)) inline Row row_of(const Params& pp, const Batch& g, const Shape& sh) {
+  const i64 m_base = pp.m_base();
+  const i64 win_end = sh.win_end, win_tail = sh.win_tail, act = sh.act, lst = sh.lst;
+  const bool row_t = sh.row_t;
+  const i64 cmp_start = win_end;
+  const i64 cmp_end = act == 0 ? cmp_start : cmp_start + (act - 1) / S2_BASE + 1;
+  const i64 cmp_tail = act % S2_BASE;
+  // (blocks, cost, cost of its last block) of a branch's block range
+  auto part = [&](i64 start, i64 end, i64 tail, i64& n_blk, i64& c, i64& last_c_out) {
+    n_blk = end - start;
+    const i64 n_tail = tail ? 1 : 0, n_norm = n_blk - n_tail;
+    const i64 normal = row_t ? g.c_tail_row : g.c_norm;
+    const i64 last_c = type_cost(pp, g.s1g_tail, row_t, true, tail);
+    c = normal * n_norm + last_c * n_tail;
+    last_c_out = n_tail ? last_c : normal;
+  };
+  i64 wb, wc, wl, cb, cc, cl;
+  part(0, win_end, win_tail, wb, wc, wl);
+  part(cmp_start, cmp_end, cmp_tail, cb, cc, cl);
+  Row r{wc + cc, wb + cb, cb > 0 ? cl : wl, wb > 0 ? 0 : cmp_start, cb > 0 ? cmp_end : win_end,
+        win_end, cmp_start, cmp_end, win_tail, cmp_tail, row_t, g.s1g_tail};
+  if (g.hp) {
+    const i64 K = pp.cmp_topk * pp.cmp_ratio;
+    const i64 L = std::min(K, lst + 1);
+    i64 c = 15 * cdiv(m_base, 16) + 5 * cdiv(L, 64);
+    if (L == K) c -= c / 21;
+    if (L < 2048) c -= c / 18;
+    if (2048 < L && L < 3392) c += c / 7;
+    r.cost = c;
+  }
+  return r;
+}
+
+Row row_at(const Params& pp, const Batch& g, i64 idx) { return row_of(pp, g, shape_at(pp, g, idx)); }
+
+struct FdTask { i64 bn2, m, ws, split, m_size; };
+
+void write_entry(int32_t* t, int at, std::initializer_list<i64> v) {
+  int k = at;
+  for (i64 x : v) t[k++] = (int32_t)x;
+}
+
+// The per-row fields the greedy assignment reads, in flat arrays reused across calls (a serving
+// step plans three times: no allocation, no page faults once warm).  Every row record starts at
+// s2-block 0 (ref: s2_start is the window's 0, or cmp_start = win_end = 0 without a window), so
+// ``blocks`` is also its s2 end.
+struct RowTable {
+  std::vector<i64> off;                    // batch b's rows: [off[b], off[b + 1])
+  std::vector<int64_t> cost, lbc, blocks;
+};
+
+void plan_into(const Params& pp, int32_t* table) {
+  const i64 B = pp.B, N2 = pp.N2;
+  static RowTable rt;   // (callers hold the GIL: pybind11 does not release it for these functions)
+  std::vector<Batch> batches(B);
+  rt.off.assign(B + 1, 0);
+  for (i64 b = 0; b < B; ++b) {
+    batches[b] = batch_of(pp, b);
+    rt.off[b + 1] = rt.off[b] + batches[b].n_m;
+  }
+  const i64 R = rt.off[B];
+  if ((i64)rt.cost.size() < R) {
+    rt.cost.resize(R);
+    rt.lbc.resize(R);
+    rt.blocks.resize(R);
+  }
+  std::fill(table, table + TABLE_SIZE, 0);
+  std::vector<i64> batch_cost(B, 0), batch_blocks(B, 0), batch_lbc(B, 0);
+  i64 max_row_cost = 0, total = 0;
+  bool all_empty = true;
+  for (i64 b = 0; b < B; ++b) {
+    const Batch& g = batches[b];
+    const bool empty_b = g.S1v == 0 || g.S2 == 0;
+    if (g.n_m > 0 && cdiv(g.S2, S2_BASE) != 0) all_empty = false;
+    i64 bc = 0, bk = 0, lbc = 0;
+    Shape last_shape{-1, -1, -1, -1, false};
+    Row r{};
+    for (i64 idx = 0, at = rt.off[b]; idx < g.n_m; ++idx, ++at) {
+      const Shape sh = shape_at(pp, g, idx);
+      if (!(sh == last_shape)) {
+        r = row_of(pp, g, sh);
+        last_shape = sh;
+      }
+      rt.cost[at] = r.cost;
+      rt.lbc[at] = r.last_block_cost;
+      rt.blocks[at] = r.blocks;
+      bc += r.cost;
+      bk += r.blocks;
+      if (r.blocks > 0) lbc = r.last_block_cost;
+      max_row_cost = std::max(max_row_cost, r.cost);
+    }
+    batch_cost[b] = empty_b ? 0 : bc;
+    batch_blocks[b] = empty_b ? 0 : bk;
+    batch_lbc[b] = lbc;
+    total += batch_cost[b];
+  }
+  if (all_empty) {
+    write_entry(table, 0, {1, 0, 0, 0, B * N2, 0, 0, 0});
+    return;
+  }
+  total *= N2;
+
+  // the cursor (§2.3); ``split`` caches the full record of a row entered part-way (AssignByBlock)
+  i64 bn2 = 0, row = 0, s2 = 0, bn2_cost = batch_cost[0], bn2_blocks = batch_blocks[0];
+  bool finished = false;
+  auto bb = [&]() { return N2 == 1 ? bn2 : bn2 / N2; };
+  auto n_rows = [&](i64 b) { return rt.off[b + 1] - rt.off[b]; };
+  auto at = [&]() { return rt.off[bb()] + row; };
+  auto next_bn2 = [&]() {
+    ++bn2;
+    row = s2 = 0;
+    if (bn2 == B * N2) finished = true;
+    else { bn2_cost = batch_cost[bb()]; bn2_blocks = batch_blocks[bb()]; }
+  };
+  auto next_row = [&]() {
+    const i64 base = rt.off[bb()], n = n_rows(bb());
+    ++row;
+    while (row < n && rt.blocks[base + row] == 0) ++row;
+    if (row >= n) next_bn2();
+    else s2 = 0;
+  };
+  auto skip_empty = [&]() { while (!finished && batch_blocks[bb()] == 0) next_bn2(); };
+  auto full_row = [&]() { return row_at(pp, batches[bb()], row); };
+  auto remaining_row_cost = [&]() {
+    if (s2 == 0) return rt.cost[at()];
+    const Row r = full_row();
+    i64 c = 0;
+    for (i64 k = s2; k < r.s2_end; ++k) c += block_cost(pp, r, k);
+    return c;
+  };
+  auto take_block = [&]() {
+    const Row r = full_row();
+    const i64 c = block_cost(pp, r, s2);
+    ++s2;
+    bn2_cost = std::max<i64>(0, bn2_cost - c);
+    --bn2_blocks;
+    if (s2 == r.s2_end) next_row();
+    return c;
+  };
+
+  i64 unassigned = total, pre_fd = 0, cur_split = 1, split_bn2 = -1, split_m = -1;
+  int used = 0;
+  std::vector<FdTask> tasks;
+  for (i64 i = 0; i < pp.aic; ++i) {
+    if (finished || unassigned <= 0) break;
+    int32_t* e = table + 8 * used;
+    e[0] = 1; e[1] = (int32_t)bn2; e[2] = (int32_t)row; e[3] = (int32_t)s2;
+    e[7] = (int32_t)(pre_fd + cur_split - 1);
+    const i64 avg = unassigned / (pp.aic - i);
+    const i64 limit = pp.support_fd ? avg : std::max(avg, max_row_cost);
+    i64 core_cost = 0, core_blocks = 0;
+    while (!finished) {                                                 // 1. AssignByBatch
+      const i64 b = bb(), c = bn2_cost;
+      const bool ok = batches[b].hp ? (c == 0 || 5 * (limit - core_cost) > 4 * c)
+                                    : (c == 0 || limit + batch_lbc[b] / 2 >= core_cost + c);
+      if (!ok) break;
+      core_cost += c;
+      core_blocks += bn2_blocks;
+      next_bn2();
+    }
+    while (!finished) {                                                 // 2. AssignByRow
+      const i64 b = bb(), g = at();
+      const i64 rc = remaining_row_cost();
+      const bool ok = batches[b].hp ? 5 * (limit - core_cost) > 4 * rc
+                                    : limit + rt.lbc[g] / 2 >= core_cost + rc;
+      if (!ok) break;
+      core_cost += rc;
+      core_blocks += rt.blocks[g] - s2;
+      bn2_cost = std::max<i64>(0, bn2_cost - rc);
+      bn2_blocks -= rt.blocks[g] - s2;
+      const i64 before = bn2;
+      next_row();
+      if (finished || bn2 != before) break;
+    }
+    if (pp.support_fd) {
+      while (true) {                                                    // 3. AssignByBlock
+        skip_empty();
+        if (finished) break;
+        const i64 c = block_cost(pp, full_row(), s2);
+        if (!(limit + c / 2 >= core_cost + c)) break;
+        core_cost += take_block();
+        ++core_blocks;
+      }
+      skip_empty();                                                     // 4. ForceAssign
+      if (core_blocks == 0 && !finished) {
+        core_cost += take_block();
+        ++core_blocks;
+      }
+    }
+    e[4] = (int32_t)bn2; e[5] = (int32_t)row; e[6] = (int32_t)s2;
+    ++used;
+    unassigned -= core_cost;
+    if (i > 0 && cur_split > 1 && (bn2 != split_bn2 || row != split_m)) {   // 5. RecordFDInfo
+      const i64 fb = split_bn2 / N2;
+      const i64 m_size = split_m == n_rows(fb) - 1 ? pp.S1v(fb) * pp.G() - split_m * pp.m_base() : pp.m_base();
+      tasks.push_back({split_bn2, split_m, pre_fd, cur_split, m_size});
+      pre_fd += cur_split;
+      cur_split = 1;
+    }
+    if (!finished && row < n_rows(bb()) && s2 > 0) {
+      ++cur_split;
+      split_bn2 = bn2;
+      split_m = row;
+    }
+  }
+  if (!finished && used > 0) {
+    int32_t* e = table + 8 * (used - 1);
+    e[4] = (int32_t)(B * N2); e[5] = 0; e[6] = 0;
+  }
+  // §2.5: the FD tasks over the vector cores
+  if (tasks.empty()) return;
+  i64 total_work = 0;
+  for (const auto& t : tasks) total_work += t.split * t.m_size;
+  const i64 avg = cdiv(total_work, pp.aiv);
+  i64 v = 0;
+  const i64 n_tasks = (i64)tasks.size();
+  for (i64 t = 0; t < n_tasks; ++t) {
+    const FdTask& k = tasks[t];
+    i64 n = std::max<i64>(1, k.split * k.m_size / avg);
+    n = std::min(n, pp.aiv - v - (n_tasks - t - 1));
+    const i64 per = cdiv(k.m_size, n);
+    n = cdiv(k.m_size, per);
+    for (i64 j = 0; j < n; ++j) {
+      if (v >= FD_CORES) fail("aiv_core_num", "the FD split exceeds the table's 72 vector entries");
+      write_entry(table, FD_BASE + 8 * (int)v, {1, k.bn2, k.m, k.ws, k.split, j * per, std::min(per, k.m_size - j * per), 0});
+      ++v;
+    }
+  }
+}
+
+// ---- lengths (params.py's plan_params, length part) ------------------------------------------
+
+std::vector<i64> values(const torch::Tensor& t) {
+  const auto c = t.contiguous();
+  const int32_t* p = c.data_ptr<int32_t>();
+  return std::vector<i64>(p, p + c.numel());
+}
+
+std::vector<i64> diffs(const std::string& arg, const std::vector<i64>& cu) {
+  if (cu.empty()) fail(arg, "expected shape [B+1] with B >= 0, got an empty tensor");
+  std::vector<i64> out;
+  out.reserve(cu.size() - 1);
+  for (size_t b = 0; b + 1 < cu.size(); ++b) {
+    if (cu[b + 1] < cu[b])
+      fail(arg, "must be non-decreasing, got " + std::to_string(cu[b]) + " then " + std::to_string(cu[b + 1]) +
+                    " at batch " + std::to_string(b));
+    out.push_back(cu[b + 1] - cu[b]);
+  }
+  if (cu[0] < 0) fail(arg, "must not be negative, got " + std::to_string(cu[0]));
+  return out;
+}
+
+}  // namespace
+
+// The plan table (CPU int32 [1024]) for already validated scalar arguments; the length tensors
+// (CPU int32, 1-D, or undefined) are resolved and checked here.
+torch::Tensor plan_table(int64_t num_heads_q, c10::optional<torch::Tensor> seqused_q,
+                         c10::optional<torch::Tensor> cu_seqlens_q, c10::optional<torch::Tensor> seqused_kv,
+                         c10::optional<torch::Tensor> cu_seqlens_ori_kv, int64_t batch_size, int64_t max_seqlen_q,
+                         int64_t max_seqlen_kv, bool q_tnd, bool kv_tnd, bool has_cmp, int64_t cmp_topk,
+                         int64_t cmp_ratio, int64_t ori_mask_mode, int64_t ori_win_left, int64_t aic, int64_t aiv,
+                         bool support_fd) {
+  Params pp;
+  const bool has_sq = seqused_q.has_value(), has_cq = cu_seqlens_q.has_value();
+  const bool has_skv = seqused_kv.has_value(), has_ckv = cu_seqlens_ori_kv.has_value();
+  std::vector<i64> sq = has_sq ? values(*seqused_q) : std::vector<i64>{};
+  std::vector<i64> cq = has_cq ? values(*cu_seqlens_q) : std::vector<i64>{};
+  std::vector<i64> skv = has_skv ? values(*seqused_kv) : std::vector<i64>{};
+  std::vector<i64> ckv = has_ckv ? values(*cu_seqlens_ori_kv) : std::vector<i64>{};
+  i64 B;
+  if (has_sq) B = (i64)sq.size();
+  else if (q_tnd && has_cq) B = (i64)cq.size() - 1;
+  else B = batch_size;
+  if (B < 0) fail("cu_seqlens_q", "expected shape [B+1] with B >= 0");
+  if (has_sq) pp.S1 = sq;
+  else if (q_tnd && has_cq) pp.S1 = diffs("cu_seqlens_q", cq);
+  else pp.S1.assign(B, max_seqlen_q);
+  if (has_skv) {
+    pp.S2 = skv;
+    if ((i64)pp.S2.size() != B)
+      fail("seqused_kv", "has " + std::to_string(pp.S2.size()) + " entries but the batch size is " + std::to_string(B));
+  } else if (kv_tnd && has_ckv) {
+    pp.S2 = diffs("cu_seqlens_ori_kv", ckv);
+    if ((i64)pp.S2.size() != B)
+      fail("cu_seqlens_ori_kv", "has " + std::to_string(ckv.size()) + " entries but the batch size is " +
+                                    std::to_string(B) + " (expected " + std::to_string(B + 1) + ")");
+  } else {
+    pp.S2.assign(B, max_seqlen_kv);
+  }
+  if (has_sq)
+    for (i64 b = 0; b < B; ++b)
+      if (pp.S1[b] < 0) fail("seqused_q", "value " + std::to_string(pp.S1[b]) + " at batch " + std::to_string(b) + " is negative");
+  if (has_skv)
+    for (i64 b = 0; b < B; ++b)
+      if (pp.S2[b] < 0) fail("seqused_kv", "value " + std::to_string(pp.S2[b]) + " at batch " + std::to_string(b) + " is negative");
+  if (batch_size && batch_size != B && (has_sq || has_cq))
+    fail("batch_size", "value " + std::to_string(batch_size) + " does not match the " + std::to_string(B) +
+                           " batches of the length tensors");
+  pp.B = B;
+  pp.N1 = num_heads_q;
+  pp.N2 = 1;
+  pp.has_cmp = has_cmp;
+  pp.cmp_topk = has_cmp ? cmp_topk : 0;
+  pp.cmp_ratio = cmp_ratio;
+  pp.ori_mask_mode = ori_mask_mode;
+  pp.ori_win_left = ori_win_left;
+  pp.aic = aic;
+  pp.aiv = aiv;
+  pp.support_fd = support_fd;
+  pp.finish();
+  auto table = torch::empty({TABLE_SIZE}, torch::dtype(torch::kInt32));
+  plan_into(pp, table.data_ptr<int32_t>());
+  return table;
+}
+
+// The plan of explicit per-batch lengths (the 1000-workload parity test and the planner report).
+torch::Tensor plan_lengths(int64_t num_heads_q, std::vector<int64_t> S1, std::vector<int64_t> S2, bool has_cmp,
+                           int64_t cmp_topk, int64_t cmp_ratio, int64_t ori_mask_mode, int64_t ori_win_left,
+                           int64_t aic, int64_t aiv, bool support_fd) {
+  Params pp{(i64)S1.size(), num_heads_q, 1, S1, S2, has_cmp, has_cmp ? cmp_topk : 0, cmp_ratio, ori_mask_mode,
+            ori_win_left, aic, aiv, support_fd};
+  pp.finish();
+  auto table = torch::empty({TABLE_SIZE}, torch::dtype(torch::kInt32));
+  plan_into(pp, table.data_ptr<int32_t>());
+  return table;
+}
