@@ -60,6 +60,35 @@ def test_lightning_indexer_exact_with_ties(layout, ratio, paged):
     assert (i1 >= 0).any()
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "PA_BBND"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lightning_indexer_streaming_blocks_keep_the_golden_order(layout, paged, monkeypatch):
+    """The CPU path's running top-k over many key blocks and row steps (8 keys, 2 rows at a time here):
+    exact scores with real ties, so indices and values must equal the golden exactly."""
+    from dsattn import ops, reference
+    from dsattn.indexer import fast
+    monkeypatch.setattr(fast, "KEY_BLOCK", 8)
+    case = cases.indexer_case(layout, 4, torch.float32, paged=paged, integer=True,
+                              seed=torch.randint(0, 2**31 - 1, ()).item())
+    k, w, topk = case.extra["k"], case.extra["w"], case.extra["topk"]
+    monkeypatch.setattr(fast, "SCORE_BUDGET", 4 * case.q.size(-2) * 8 * 2)
+    i1, v1 = ops.lightning_indexer(case.q, k, w, topk, **case.kwargs)
+    i2, v2 = reference.lightning_indexer(case.q, k, w, topk, **case.kwargs)
+    assert torch.equal(i1, i2) and torch.equal(v1, v2)
+    assert (i1 >= 0).sum() > 2 * 8, "too few keys to cross blocks"
+
+
+def test_topk_positions_is_the_stable_descending_order():
+    """Selection by the k-th value equals a stable descending sort, with ties, -inf and k = width."""
+    from dsattn.indexer.fast import topk_positions
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    for width, k in ((50, 7), (64, 64), (300, 32)):
+        score = torch.randint(-3, 4, (20, width), generator=g).float()
+        score[score == -3] = float("-inf")
+        want = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(topk_positions(score, k), want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("layout", LAYOUTS)

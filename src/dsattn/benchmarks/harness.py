@@ -67,9 +67,12 @@ def peak_rss_growth_mb(module: str, func: str, kwargs: dict, timeout: int = 1800
     """Run ``module.func(**kwargs)`` in a fresh Python process and report its resident-set growth:
     the peak RSS of the process minus its RSS after the inputs were built (the function reports
     that baseline itself and returns a JSON-able dict)."""
-    code = (f"import json, resource, sys; import {module} as m; "
+    # the peak is the child's VmHWM: getrusage's ru_maxrss survives exec on Linux and can report the RSS of
+    # the (large) parent at fork time instead of the child's own
+    code = (f"import json, sys; import {module} as m; "
             f"r = m.{func}(**json.loads(sys.argv[1])); "
-            "r['peak_rss_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; print(json.dumps(r))")
+            "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]; "
+            "r['peak_rss_mb'] = int(hwm) / 1024; print(json.dumps(r))")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:

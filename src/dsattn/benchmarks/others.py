@@ -9,7 +9,7 @@ from .. import ops, reference
 from ..quant.rows import pack_kv_rows, quantize_kv_rows
 from ..quant.block import quantize_tiles
 from . import workloads
-from .harness import Result, timeit
+from .harness import Result, timeit, peak_rss_growth_mb
 
 
 def _indexer_decode(B=32, ctx=131072, heads=64, dim=128, topk=512, seed=0):
@@ -35,6 +35,25 @@ def _indexer_prefill(L=8192, heads=64, dim=128, topk=512, seed=0):
     return q, k, w, topk, kw, 2 * heads * visible * dim
 
 
+def indexer_chunk_memory(ctx: int, rows: int, L: int = 8192, heads: int = 64, dim: int = 128, topk: int = 512):
+    """Rows ``[L - rows, L)`` of an ``L``-token prefill chunk that ends at position ``ctx`` (so its
+    compressed keys are ``ctx / 4``), run once; returns the RSS after building the inputs
+    (``peak_rss_growth_mb`` subtracts it from the peak).  The last rows see the most keys."""
+    from .harness import current_rss_mb
+    g = torch.Generator().manual_seed(0)
+    Kc = ctx // 4
+    q = torch.randn(1, rows, heads, dim, generator=g).bfloat16()
+    k = torch.randn(1, Kc, 1, dim, generator=g).bfloat16()
+    w = torch.rand(1, rows, heads, generator=g) * 0.01
+    kw = dict(layout_q="BSND", layout_k="BSND", mask_mode=3, cmp_ratio=4, seqused_k=torch.tensor([Kc], dtype=torch.int32),
+              cmp_residual_k=torch.zeros(1, dtype=torch.int32))
+    base = current_rss_mb()
+    t = __import__("time").perf_counter()
+    ops.lightning_indexer(q, k, w, topk, **kw)
+    return {"base_rss_mb": base, "seconds": __import__("time").perf_counter() - t,
+            "inputs_mb": (q.numel() * 2 + k.numel() * 2 + w.numel() * 4) / 2 ** 20}
+
+
 def indexer(smoke=False, results=None):
     results = [] if results is None else results
     builds = [("smoke decode B2 2K", lambda: _indexer_decode(B=2, ctx=2048))] if smoke else [
@@ -57,6 +76,20 @@ def indexer(smoke=False, results=None):
             fi, _ = ops.lightning_indexer(q, k, w, topk, **kw)
             same = (torch.sort(fi, -1)[0] == torch.sort(gi, -1)[0]).float().mean()
             results[-1].extra["matches_golden_sets"] = bool(same > 0.99)
+    if not smoke:
+        # peak memory of the indexer in a fresh process: the working set is O(rows x topk) plus a fixed
+        # score budget whatever the context (the last 512 rows of the chunk at 1M: 8K rows there are ~10 min)
+        for ctx, rows in ((131072, 8192), (1048576, 512)):
+            r = peak_rss_growth_mb("dsattn.benchmarks.others", "indexer_chunk_memory", {"ctx": ctx, "rows": rows})
+            name = f"8K prefill chunk at {ctx // 1024}K context (last {rows} rows, fresh process)"
+            if "error" in r:
+                results.append(Result("indexer", name, "dsattn", float("nan"), note=f"failed: {r['error']}"))
+                continue
+            growth = r["peak_rss_mb"] - r["base_rss_mb"]
+            results.append(Result("indexer", name, "dsattn", r["seconds"], 2 * rows * 64 * (ctx // 4) * 128 / 1e9,
+                                  peak_mb=growth, note=f"inputs {r['inputs_mb']:.0f} MB; outputs "
+                                  f"{rows * 512 * 8 / 2 ** 20:.0f} MB; a [rows, keys] fp32 score buffer would be "
+                                  f"{rows * (ctx // 4) * 4 / 2 ** 20:.0f} MB"))
     return results
 
 

@@ -200,6 +200,18 @@ class KVSource:
         blk = torch.where(mask, blk, torch.zeros_like(blk))
         return blk, torch.where(mask, x % bs, torch.zeros_like(x))
 
+    def span(self, b: int, k0: int, k1: int, check: bool = False) -> torch.Tensor:
+        """Keys ``[k0, k1)`` of batch ``b`` as ``[k1 - k0, D]`` (a host-side batch index: callers on
+        the CPU).  BSND / TND rows are a slice of the tensor (no copy); paged rows are gathered."""
+        if self.decode is None and self.layout in ("BSND", "TND"):
+            if self.layout == "BSND":
+                return self.tensor[b, k0:k1, 0]
+            start = int(self.cu[b])
+            return self.tensor[start + k0:start + k1, 0]
+        dev = self.tensor.device
+        x = torch.arange(k0, k1, device=dev)[None, :]
+        return self.gather(*self.locate(torch.full((1, 1), b, device=dev), x, x >= 0, check=check))[0]
+
     def gather(self, i0: torch.Tensor, i1: torch.Tensor) -> torch.Tensor:
         """Rows at physical addresses -> ``[..., D]`` in the KV dtype (decoded, for packed rows)."""
         if self.tensor.numel() == 0:      # no row at all, so every address is a masked placeholder

@@ -1,9 +1,12 @@
 """Vectorised PyTorch kernels of the indexer operators, for any torch device.
 
-Query rows are processed in blocks; each block gathers its rows' candidate keys
-(``[rows, W, D]``, zero where masked), scores them, and selects with a stable descending
-sort (ties: lower key index first), so results match the golden bit for bit whenever the
-scores do.  Shapes depend only on tensor extents, never on tensor values.
+``lightning_indexer`` on the CPU scores the rows of one request against their shared keys with
+one GEMM per key block and keeps a running top-k (:func:`_shared_key_indexer`: memory bounded
+whatever the context).  On other devices query rows are processed in blocks; each block gathers
+its rows' candidate keys (``[rows, W, D]``, zero where masked) and scores them, with shapes that
+depend only on tensor extents, never on tensor values.  Both select in the golden's order
+(descending, ties: lower key index first: :func:`topk_positions`), so results match the golden
+exactly whenever the scores do.
 """
 from __future__ import annotations
 
@@ -24,20 +27,97 @@ def _zero_rows(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return torch.where(ok.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def select_topk(score: torch.Tensor, n: torch.Tensor, topk: int, offset: torch.Tensor | None):
-    """The ``topk`` best of each row's scores ``[r, W]`` (-inf past its ``n`` selectable keys) by a
-    stable descending sort (ties: lower key index first) -> ``(indices int32, values float32)``,
-    -1 / -inf past ``min(n, topk)``; ``offset`` ``[r]`` is added to the kept indices."""
+def topk_positions(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the ``k`` best of each row of ``score [r, W]`` (``W >= k``), ordered as the golden's
+    stable descending sort orders them: by score, ties to the lower column.  Selection, not a
+    sort: ``topk`` finds each row's k-th value ``v``; every column above ``v`` is kept and the
+    columns equal to ``v`` are taken lowest first; only the k kept columns are then sorted.
+    No data-dependent shapes (no ``nonzero``): safe on any device."""
     dev = score.device
+    W = score.size(1)
+    kth = torch.topk(score, k, dim=1).values[:, -1:]
+    above = score > kth
+    tied = score == kth
+    room = k - above.sum(1, keepdim=True)
+    keep = above | (tied & (torch.cumsum(tied, 1) <= room))
+    # exactly k kept per row: the largest of (W - column) over the kept columns are their columns in order
+    rank = torch.where(keep, W - torch.arange(W, device=dev), torch.zeros((), dtype=torch.int64, device=dev))
+    cols = torch.topk(rank, k, dim=1).indices                      # kept columns, ascending
+    order = torch.sort(score.gather(1, cols), dim=1, descending=True, stable=True).indices
+    return cols.gather(1, order)
+
+
+def select_topk(score: torch.Tensor, n: torch.Tensor, topk: int, offset: torch.Tensor | None):
+    """The ``topk`` best of each row's scores ``[r, W]`` (-inf past its ``n`` selectable keys), in the
+    golden's order (descending, ties: lower key index first) -> ``(indices int32, values float32)``,
+    -1 / -inf past ``min(n, topk)``; ``offset`` ``[r]`` is added to the kept indices."""
     if score.size(1) < topk:
         score = torch.nn.functional.pad(score, (0, topk - score.size(1)), value=float("-inf"))
-    sv, si = torch.sort(score, dim=-1, descending=True, stable=True)
+    si = topk_positions(score, topk)
+    sv = score.gather(1, si)
+    return finish_topk(si, sv, n, topk, offset)
+
+
+def finish_topk(si, sv, n, topk: int, offset):
+    """-1 / -inf past each row's ``min(n, topk)`` slots; ``offset`` added to the kept indices."""
+    dev = si.device
     keep = torch.arange(topk, device=dev)[None, :] < torch.clamp(n, max=topk)[:, None]
-    si = si[:, :topk]
     if offset is not None:
         si = si + offset[:, None]
     return (torch.where(keep, si, torch.full((), -1, device=dev)).to(torch.int32),
-            torch.where(keep, sv[:, :topk], torch.full((), float("-inf"), device=dev)))
+            torch.where(keep, sv, torch.full((), float("-inf"), device=dev)))
+
+
+KEY_BLOCK = 4096                 # keys scored per GEMM in the shared-key path (at least)
+SCORE_BUDGET = 64 << 20          # bytes of [rows, heads, keys] scores per step
+
+
+def _shared_key_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None):
+    """CPU path: rows of one request share its key prefix, so a block of them is scored with one
+    GEMM per key block (``[rows x heads, D] @ [D, KEY_BLOCK]``) over keys gathered once, and the
+    top-k is kept as a running selection merged block by block (:func:`topk_positions` over the
+    running k and the block: the running entries precede the block's and hold lower keys, so ties
+    still go to the lower key).  Peak memory: O(rows x topk) plus ``SCORE_BUDGET``, whatever the
+    context length.  The per-request row ranges and key counts are read on the host (CPU tensors)."""
+    dev = P.q.device
+    R = P.rows.R
+    qf = P.rows.flat(P.q)
+    H, D = qf.size(1), qf.size(2)
+    idx_out = torch.empty(R, topk, dtype=torch.int32, device=dev)
+    val_out = torch.empty(R, topk, dtype=torch.float32, device=dev)
+    n_all = P.num_valid(0, R)
+    ok = P.rows.used
+    batch = P.rows.batch
+    counts = torch.bincount(batch, minlength=P.rows.B).tolist()
+    rows_per_step = max(1, SCORE_BUDGET // (4 * H * KEY_BLOCK))
+    ninf = torch.full((), float("-inf"), device=dev)
+    t = 0
+    for b, count in enumerate(counts):
+        for t0 in range(t, t + count, rows_per_step):
+            t1 = min(t + count, t0 + rows_per_step)
+            n = n_all[t0:t1]
+            q = _zero_rows(qf[t0:t1].float(), ok[t0:t1]).reshape(-1, D)              # [r*H, D]
+            w = _zero_rows(P.w[t0:t1], ok[t0:t1])[:, None, :]                       # [r, 1, H]
+            run_v = torch.full((t1 - t0, topk), float("-inf"), device=dev)
+            run_i = torch.zeros(t1 - t0, topk, dtype=torch.int64, device=dev)
+            width = int(n.max()) if t1 > t0 else 0
+            # few rows (decode): wider key blocks, one GEMM and one merge over the whole context when it fits
+            key_block = max(KEY_BLOCK, SCORE_BUDGET // (4 * H * (t1 - t0)))
+            for k0 in range(0, width, key_block):
+                k1 = min(width, k0 + key_block)
+                x = torch.arange(k0, k1, device=dev)[None, :]
+                keys = P.k.span(b, k0, k1, check=P.content).float()                 # [kb, D], once per block
+                s = torch.relu_(q @ keys.T).view(t1 - t0, H, k1 - k0)
+                score = torch.bmm(w, s)[:, 0]                                         # [r, kb]
+                score = torch.where(x < n[:, None], score, ninf)
+                cand_v = torch.cat([run_v, score], 1)
+                cand_i = torch.cat([run_i, x.expand(t1 - t0, -1)], 1)
+                pos = topk_positions(cand_v, topk)
+                run_v, run_i = cand_v.gather(1, pos), cand_i.gather(1, pos)
+            idx_out[t0:t1], val_out[t0:t1] = finish_topk(run_i, run_v, n, topk,
+                                                         None if offset is None else offset[t0:t1])
+        t += count
+    return idx_out, val_out
 
 
 def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None):
@@ -47,6 +127,8 @@ def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None)
         if triton_kernels.supports(P):
             return triton_kernels.lightning_indexer(P, topk, offset)
     dev = P.q.device
+    if dev.type == "cpu":
+        return _shared_key_indexer(P, topk, offset)
     R, W = P.rows.R, P.k.capacity
     qf = P.rows.flat(P.q)
     idx_out = torch.empty(R, topk, dtype=torch.int32, device=dev)
