@@ -57,7 +57,10 @@ def build(smoke: bool):
 
 
 def rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """This process's peak RSS (VmHWM: unlike ru_maxrss it does not carry the parent's RSS across exec)."""
+    with open("/proc/self/status") as f:
+        hwm = next(line for line in f if line.startswith("VmHWM:"))
+    return int(hwm.split()[1]) / 2**20
 
 
 def child(path: str, length: int, decode_steps: int) -> dict:

@@ -46,12 +46,13 @@ def rows(ceil, results):
         yield [r.family, r.workload, r.variant, f"{r.seconds:.4f}" if r.seconds == r.seconds else "-",
                f"{g:.1f}" if g else "-", f"{100 * g / ceil.bf16_gflops:.0f} %" if g else "-",
                f"{100 * g / ceil.fp32_gflops:.0f} %" if g else "-",
+               f"{100 * g / max(ceil.bf16_gflops, ceil.fp32_gflops):.0f} %" if g else "-",
                f"{sp[id(r)]:.1f}x" if sp[id(r)] else "", f"{r.peak_mb:.0f}" if r.peak_mb is not None else "",
                r.note + ("; " + ", ".join(f"{k}={v}" for k, v in r.extra.items()) if r.extra else "")]
 
 
 HEADER = ["family", "workload", "variant", "seconds", "GFLOP/s", "of bf16 peak", "of fp32 peak",
-          "dsattn default faster by", "peak RSS growth MB", "note"]
+          "of best ceiling", "dsattn default faster by", "peak RSS growth MB", "note"]
 
 
 def markdown(ceil, results, command: str) -> str:

@@ -3,6 +3,7 @@ to plain Python ints: the planner is host code and works on CPU integer mirrors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -138,12 +139,14 @@ def length_tensors(allow_device: bool, **lengths) -> dict:
     return out
 
 
-def plan_params(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
-                cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, batch_size=0, max_seqlen_q=0,
-                max_seqlen_kv=0, ori_topk=0, cmp_topk=0, cmp_ratio=-1, ori_mask_mode=4, cmp_mask_mode=3,
-                ori_win_left=127, ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", has_ori_kv=True,
-                has_cmp_kv=True, aic_core_num=24, aiv_core_num=48, support_fd=False,
-                allow_device=True) -> PlanParams:
+def checked_arguments(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                      cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, batch_size=0, max_seqlen_q=0,
+                      max_seqlen_kv=0, ori_topk=0, cmp_topk=0, cmp_ratio=-1, ori_mask_mode=4, cmp_mask_mode=3,
+                      ori_win_left=127, ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", has_ori_kv=True,
+                      has_cmp_kv=True, aic_core_num=24, aiv_core_num=48, support_fd=False,
+                      allow_device=True) -> SimpleNamespace:
+    """Every argument of the planner (50 §1.1) checked, the length mirrors as CPU tensors (``ori_topk``
+    is accepted and unused)."""
     check_scalars(num_heads_q, num_heads_kv, head_dim, batch_size=batch_size, max_seqlen_q=max_seqlen_q,
                   max_seqlen_kv=max_seqlen_kv, cmp_topk=cmp_topk, cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode,
                   cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left, ori_win_right=ori_win_right,
@@ -151,8 +154,19 @@ def plan_params(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, cu_se
                   aic_core_num=aic_core_num, aiv_core_num=aiv_core_num, support_fd=support_fd)
     ts = length_tensors(allow_device, seqused_q=seqused_q, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv,
                         cu_seqlens_ori_kv=cu_seqlens_ori_kv, cu_seqlens_cmp_kv=cu_seqlens_cmp_kv)
+    return SimpleNamespace(num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, batch_size=batch_size,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, cmp_topk=cmp_topk,
+                           cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode, ori_win_left=ori_win_left,
+                           layout_q=layout_q, layout_kv=layout_kv, has_cmp_kv=bool(has_cmp_kv), aic=aic_core_num,
+                           aiv=aiv_core_num, support_fd=bool(support_fd), **ts)
+
+
+def plan_params(num_heads_q, num_heads_kv, head_dim, **kw) -> PlanParams:
+    """The planner's arguments (those of :func:`checked_arguments`) resolved to plain ints."""
+    a = checked_arguments(num_heads_q, num_heads_kv, head_dim, **kw)
+    layout_q, layout_kv, batch_size = a.layout_q, a.layout_kv, a.batch_size
     sq, cq, skv, ckv = ([int(v) for v in t.tolist()] if t is not None else None
-                        for t in (ts["seqused_q"], ts["cu_seqlens_q"], ts["seqused_kv"], ts["cu_seqlens_ori_kv"]))
+                        for t in (a.seqused_q, a.cu_seqlens_q, a.seqused_kv, a.cu_seqlens_ori_kv))
     if sq is not None:
         B = len(sq)
     elif layout_q == "TND" and cq is not None:
@@ -166,7 +180,7 @@ def plan_params(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, cu_se
     elif layout_q == "TND" and cq is not None:
         S1 = _diffs("cu_seqlens_q", cq)
     else:
-        S1 = [max_seqlen_q] * B
+        S1 = [a.max_seqlen_q] * B
     if skv is not None:
         S2 = skv
         if len(S2) != B:
@@ -176,12 +190,13 @@ def plan_params(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, cu_se
         if len(S2) != B:
             fail("cu_seqlens_ori_kv", f"has {len(ckv)} entries but the batch size is {B} (expected {B + 1})")
     else:
-        S2 = [max_seqlen_kv] * B
+        S2 = [a.max_seqlen_kv] * B
     for name, vals in (("seqused_q", S1 if sq is not None else []), ("seqused_kv", S2 if skv is not None else [])):
         for b, v in enumerate(vals):
             if v < 0:
                 fail(name, f"value {v} at batch {b} is negative")
     if batch_size and batch_size != B and (sq is not None or cq is not None):
         fail("batch_size", f"value {batch_size} does not match the {B} batches of the length tensors")
-    return PlanParams(B, num_heads_q, num_heads_kv, list(S1), list(S2), bool(has_cmp_kv), cmp_topk if has_cmp_kv else 0,
-                      cmp_ratio, ori_mask_mode, ori_win_left, aic_core_num, aiv_core_num, bool(support_fd))
+    return PlanParams(B, a.num_heads_q, a.num_heads_kv, list(S1), list(S2), a.has_cmp_kv,
+                      a.cmp_topk if a.has_cmp_kv else 0, a.cmp_ratio, a.ori_mask_mode, a.ori_win_left, a.aic, a.aiv,
+                      a.support_fd)
