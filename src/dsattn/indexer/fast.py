@@ -2,7 +2,9 @@
 
 ``lightning_indexer`` on the CPU scores the rows of one request against their shared keys with
 one GEMM per key block and keeps a running top-k (:func:`_shared_key_indexer`: memory bounded
-whatever the context).  On other devices query rows are processed in blocks; each block gathers
+whatever the context); it reads the lengths on the host, so it runs where content checks are on
+(host reads allowed).  On other devices, and in steps that forbid host reads, query rows are
+processed in blocks; each block gathers
 its rows' candidate keys (``[rows, W, D]``, zero where masked) and scores them, with shapes that
 depend only on tensor extents, never on tensor values.  Both select in the golden's order
 (descending, ties: lower key index first: :func:`topk_positions`), so results match the golden
@@ -127,7 +129,9 @@ def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None)
         if triton_kernels.supports(P):
             return triton_kernels.lightning_indexer(P, topk, offset)
     dev = P.q.device
-    if dev.type == "cpu":
+    if dev.type == "cpu" and P.content:
+        # (it plans on the host from the lengths: only where host reads are allowed, i.e. with content
+        # checks on, as width_bound does; a serving step that turns them off keeps the extent-only path)
         return _shared_key_indexer(P, topk, offset)
     R, W = P.rows.R, P.k.capacity
     qf = P.rows.flat(P.q)
