@@ -13,9 +13,12 @@ path is active (``dsattn bench --which``).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import sys
+import time
 import warnings
 
 _SOURCES = ("module.cpp", "planner.cpp")
@@ -27,22 +30,76 @@ def requested() -> bool:
     return os.environ.get("DSATTN_NATIVE", "1").strip() not in ("0", "false", "off", "no")
 
 
+_BUILD_TIMEOUT_S = 900
+_CFLAGS = ["-O3", "-std=c++17"]
+
+
+def _build_args() -> dict:
+    import torch
+    here = os.path.dirname(os.path.abspath(__file__))
+    return dict(name="dsattn_native_" + re.sub(r"\W", "_", torch.__version__),
+                sources=[os.path.join(here, s) for s in _SOURCES], extra_cflags=_CFLAGS, verbose=False)
+
+
+def _build_in_child(args: dict, build_dir: str) -> None:
+    """Compile in a fresh interpreter with no stdin and a time limit: the compiler and ninja must not
+    share this process's stdio (a pytest-xdist worker's stdin is its control channel) and a
+    stuck or killed build must not leave every later process waiting on its lock."""
+    code = ("import json, sys; from torch.utils.cpp_extension import load; "
+            "load(**json.loads(sys.argv[1]))")
+    lock = os.path.join(build_dir, "lock")
+    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > _BUILD_TIMEOUT_S:
+        os.remove(lock)                              # left by a build that was killed
+    try:
+        subprocess.run([sys.executable, "-c", code, json.dumps(args)], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=True)
+    except subprocess.TimeoutExpired:
+        if os.path.exists(lock):                     # the killed build's lock would block everyone
+            os.remove(lock)
+        raise RuntimeError(f"the build took over {_BUILD_TIMEOUT_S} s") from None
+    except subprocess.CalledProcessError as exc:
+        lines = [x for x in (exc.stderr or "").strip().splitlines() if x.strip()]
+        raise RuntimeError(lines[-1] if lines else f"build exited {exc.returncode}") from None
+
+
+def _stamp(args: dict) -> str:
+    """What the build depends on: the sources' contents, the flags and the torch version."""
+    import hashlib
+
+    import torch
+    h = hashlib.sha256(f"{torch.__version__} {args['extra_cflags']}".encode())
+    for src in args["sources"]:
+        with open(src, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def load():
     """The extension module, or None (not requested, or the build failed: warned once)."""
     if not requested():
         return None
     if "module" in _state:
         return _state["module"]
-    import torch
     from torch.utils import cpp_extension
-    here = os.path.dirname(os.path.abspath(__file__))
-    name = "dsattn_native_" + re.sub(r"\W", "_", torch.__version__)
+    args = _build_args()
     try:
-        if not os.path.exists(os.path.join(cpp_extension._get_build_directory(name, False), f"{name}.so")):
+        build_dir = cpp_extension._get_build_directory(args["name"], False)
+        stamp_path, stamp = os.path.join(build_dir, "dsattn.stamp"), _stamp(args)
+        if not _read(stamp_path) == stamp:
             print("dsattn: building the compiled kernel layer (once per torch version, about a minute)...",
                   file=sys.stderr, flush=True)
-        module = cpp_extension.load(name=name, sources=[os.path.join(here, s) for s in _SOURCES],
-                                    extra_cflags=["-O3", "-std=c++17"], verbose=False)
+            _build_in_child(args, build_dir)
+            with open(stamp_path, "w") as f:
+                f.write(stamp)
+        module = cpp_extension.load(**args)          # up to date: ninja has nothing to do, the module imports
         _state.update(module=module, error=None)
     except Exception as exc:                        # no compiler / ninja, or a build error
         first = (str(exc).strip().splitlines() or [""])[0][:300]
