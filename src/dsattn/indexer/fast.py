@@ -129,9 +129,11 @@ def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None)
         if triton_kernels.supports(P):
             return triton_kernels.lightning_indexer(P, topk, offset)
     dev = P.q.device
-    if dev.type == "cpu" and P.content:
+    if dev.type == "cpu" and P.content and P.rows.R >= 2 * P.rows.B:
         # (it plans on the host from the lengths: only where host reads are allowed, i.e. with content
-        # checks on, as width_bound does; a serving step that turns them off keeps the extent-only path)
+        # checks on, as width_bound does; a serving step that turns them off keeps the extent-only path.
+        # Rows must share keys: with about one row per request (decode) the batched gather below is one
+        # call where the shared path would loop over requests -- 469 vs 851 tokens/s in `dsattn demo`)
         return _shared_key_indexer(P, topk, offset)
     R, W = P.rows.R, P.k.capacity
     qf = P.rows.flat(P.q)
