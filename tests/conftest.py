@@ -16,6 +16,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """Build the compiled layer (dsattn.native, about a minute on 2 cores) once, in the controller, before
+    any worker starts: a build inside a test would run under that test's time limit (test_bad_inputs
+    kills a call that takes over 60 s)."""
+    if not hasattr(session.config, "workerinput"):
+        from dsattn import native
+        native.load()
+
+
 @pytest.fixture
 def gen():
     """A generator seeded fresh per test (inputs differ between runs, reproducible from the seed)."""
