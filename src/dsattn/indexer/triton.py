@@ -5,8 +5,8 @@ A program scores one query row against a block of ``BLOCK_N`` keys: ``q [H, D] Â
 fast path's fp32 arithmetic.  Key addresses are computed in the kernel from the row's batch
 (BSND / TND row bases, or the paged block table), so no ``[rows, keys, D]`` gather and no
 ``[rows, keys]`` address list exist.  Scores of a bounded number of rows at a time
-(``SCORE_BUDGET`` bytes) are then selected by :func:`dsattn.indexer.fast.select_topk` (a stable
-sort: ties to the lower key index, the golden's rule), so peak memory is that budget plus the
+(``SCORE_BUDGET`` bytes) are then selected by :func:`dsattn.indexer.fast.select_topk` (selection
+by the k-th value, in the golden's order: ties to the lower key index), so peak memory is that budget plus the
 outputs, whatever the context length.
 """
 from __future__ import annotations
