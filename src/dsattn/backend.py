@@ -63,7 +63,18 @@ def describe() -> str:
                 else "every device runs the vectorised PyTorch path")
              + (f" (this machine: {torch.cuda.get_device_name()})" if torch.cuda.is_available() else
                 " (this machine: no CUDA device)"),
-             "CPU attention / indexer / backward: vectorised PyTorch",
+             "CPU attention forward: " + _cpu_attention(native.load()),
+             "CPU indexer / backward: vectorised PyTorch",
              f"metadata planner: {native.status()}"
              + ("" if native.load() is not None else "; the NumPy fast planner runs")]
     return "\n".join(lines)
+
+
+def _cpu_attention(module) -> str:
+    if module is None:
+        return "vectorised PyTorch (the compiled layer is not loaded)"
+    gemm = {m: module.attention_gemm(m) for m in ("bfloat16", "float16")}
+    how = lambda g: "half-precision products, fp32 sums (oneDNN ukernel: AMX / AVX512-BF16)" if g == "packed" \
+        else "widened to fp32 GEMMs"   # noqa: E731
+    return (f"compiled (dsattn/native/attention.cpp): bf16 {how(gemm['bfloat16'])}; fp16 {how(gemm['float16'])}; "
+            "fp32 GEMMs for fp32. fp64 queries, packed int8 caches and the flash opt-in keep vectorised PyTorch")

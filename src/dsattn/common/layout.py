@@ -220,6 +220,18 @@ class KVSource:
             rows = self.tensor[i1, 0] if self.layout == "TND" else self.tensor[i0, i1, 0]
         return rows if self.decode is None else self.decode(rows)
 
+    def flat_rows(self) -> torch.Tensor | None:
+        """The tensor's key rows as one ``[rows, D]`` view (no copy), or None where rows are packed
+        (decoded as they are read) or not laid out one after another."""
+        if self.decode is not None or not self.tensor.is_contiguous():
+            return None
+        return self.tensor.view(-1, self.tensor.size(-1))
+
+    def flat_index(self, i0: torch.Tensor, i1: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Row numbers of physical addresses in :meth:`flat_rows`, ``-1`` where ``mask`` is False."""
+        idx = i1 if self.layout == "TND" else i0 * self.tensor.size(1) + i1
+        return torch.where(mask, idx, torch.full((), -1, dtype=idx.dtype, device=idx.device))
+
     def scatter_add(self, grad: torch.Tensor, i0, i1, values: torch.Tensor) -> None:
         """``grad`` (shaped like the KV tensor, fp32) += values at (i0, i1), as one ``index_add_``
         over the flattened rows (faster on the CPU than an accumulating ``index_put_``)."""

@@ -13,6 +13,7 @@ path is active (``dsattn bench --which``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import sys
 import time
 import warnings
 
-_SOURCES = ("module.cpp", "planner.cpp")
+_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp")
 _state: dict = {}
 
 
@@ -31,14 +32,17 @@ def requested() -> bool:
 
 
 _BUILD_TIMEOUT_S = 900
-_CFLAGS = ["-O3", "-std=c++17"]
+# -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled here (without
+# the flag the rows would run on one thread); torch itself links the same libgomp.
+_CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 
 
 def _build_args() -> dict:
     import torch
     here = os.path.dirname(os.path.abspath(__file__))
     return dict(name="dsattn_native_" + re.sub(r"\W", "_", torch.__version__),
-                sources=[os.path.join(here, s) for s in _SOURCES], extra_cflags=_CFLAGS, verbose=False)
+                sources=[os.path.join(here, s) for s in _SOURCES], extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _build_in_child(args: dict, build_dir: str) -> None:
@@ -82,9 +86,20 @@ def _read(path: str) -> str | None:
         return None
 
 
+@contextlib.contextmanager
+def suspended():
+    """Within the block :func:`load` returns None, so every piece takes its PyTorch / NumPy path
+    (benchmarks put the two side by side in one run; tests compare them)."""
+    _state["suspended"] = _state.get("suspended", 0) + 1
+    try:
+        yield
+    finally:
+        _state["suspended"] -= 1
+
+
 def load():
-    """The extension module, or None (not requested, or the build failed: warned once)."""
-    if not requested():
+    """The extension module, or None (not requested, suspended, or the build failed: warned once)."""
+    if not requested() or _state.get("suspended"):
         return None
     if "module" in _state:
         return _state["module"]
@@ -123,4 +138,4 @@ def status() -> str:
     module = load()
     if module is None:
         return f"native: unavailable ({_state.get('error')}): PyTorch / NumPy paths"
-    return "native: loaded (C++ planner)"
+    return "native: loaded (C++ planner, CPU attention forward, CPU indexer scores)"

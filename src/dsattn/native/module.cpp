@@ -10,9 +10,24 @@ torch::Tensor plan_table(int64_t num_heads_q, c10::optional<torch::Tensor> sequs
 torch::Tensor plan_lengths(int64_t num_heads_q, std::vector<int64_t> S1, std::vector<int64_t> S2, bool has_cmp,
                            int64_t cmp_topk, int64_t cmp_ratio, int64_t ori_mask_mode, int64_t ori_win_left,
                            int64_t aic, int64_t aiv, bool support_fd);
+std::vector<torch::Tensor> sparse_attention_forward(const torch::Tensor& q, const std::vector<torch::Tensor>& sources,
+                                                    const std::vector<torch::Tensor>& rows,
+                                                    const c10::optional<torch::Tensor>& sinks, double scale);
+std::string attention_gemm(const std::string& dtype);
+c10::optional<bool> packed_layout_matches(int64_t K, int64_t N);
+torch::Tensor indexer_scores(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& w);
+void indexer_topk_merge(const torch::Tensor& q, const torch::Tensor& keys, int64_t offset, const torch::Tensor& w,
+                        const torch::Tensor& n, torch::Tensor& run_v, torch::Tensor& run_i);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dsattn's compiled kernel layer";
   m.def("plan_table", &plan_table, "the metadata plan table (spec 50) from CPU int32 length mirrors");
+  m.def("sparse_attention_forward", &sparse_attention_forward,
+        "fused sparse attention forward over gathered key rows (the golden's rounding points)");
+  m.def("attention_gemm", &attention_gemm, "which GEMM the forward runs for a query dtype: packed or fp32");
+  m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
+  m.def("indexer_scores", &indexer_scores, "lightning-indexer scores of query rows against a run of keys");
+  m.def("indexer_topk_merge", &indexer_topk_merge,
+        "merge a run of keys into the running top-k of query rows (the golden's order), in place");
   m.def("plan_lengths", &plan_lengths, "the metadata plan table for explicit per-batch lengths");
 }

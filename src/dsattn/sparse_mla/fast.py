@@ -54,12 +54,64 @@ def _forward_banded(P: MlaProblem, out, lse, cdt):
     return rest
 
 
+NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def native_sources(P: MlaProblem):
+    """The compiled forward and each source's key rows as one flat view (None for packed rows,
+    which are decoded as they are gathered), where it applies: CPU tensors of a dtype it takes,
+    the default rounding (not the flash opt-in), the extension built.  Else None."""
+    q = P.q
+    if q.device.type != "cpu" or q.dtype not in NATIVE_DTYPES or uses_flash(q.dtype, q.device):
+        return None
+    from .. import native
+    module = native.load()
+    return None if module is None else (module, [src.flat_rows() for src in (P.ori, P.cmp) if src is not None])
+
+
+def _native_operands(src, flat, addr, mask):
+    """(rows, index) for the compiled kernel: the source's flat rows and flat row numbers; or, for
+    packed / strided sources, the block's rows gathered (and decoded) here, numbered in order."""
+    if flat is not None:
+        return flat, src.flat_index(*addr, mask).contiguous()
+    rows = src.gather(*addr)                                            # [r, W, D], decoded
+    r, w = mask.shape
+    index = torch.arange(r * w, device=mask.device).view(r, w)
+    return rows.reshape(r * w, -1).contiguous(), torch.where(mask, index, torch.full((), -1, device=mask.device))
+
+
+def _forward_native(P: MlaProblem, module, flat, out, lse) -> None:
+    """Rows in blocks: the key addresses of a block (flat row numbers, -1 = no key) go to the
+    compiled kernel, which gathers, attends and writes each row (dsattn/native/attention.cpp)."""
+    qf = P.rows.flat(P.q)
+    R = qf.size(0)
+    step = max(1, min(R, (32 << 20) // (max(1, P.ori_width + P.cmp_width) * 24)))
+    sinks = None if P.sinks is None else P.sinks.float()
+    for t0 in range(0, R, step):
+        t1 = min(R, t0 + step)
+        k = P.keys(t0, t1)
+        parts = [_native_operands(P.ori, flat[0], k.ori_addr, k.ori_mask)]
+        if P.cmp is not None:
+            parts.append(_native_operands(P.cmp, flat[1], k.cmp_addr, k.cmp_mask))
+        o, l = module.sparse_attention_forward(qf[t0:t1].contiguous(), [x for x, _ in parts], [i for _, i in parts],
+                                               sinks, P.scale)
+        out[t0:t1] = o
+        lse[t0:t1] = l.to(lse.dtype)
+
+
 def forward(P: MlaProblem, return_softmax_lse: bool):
     if use_triton(P.q.device):
         from . import triton as triton_kernels                # imported only when Triton runs
         if triton_kernels.supports(P):
             return triton_kernels.forward(P, return_softmax_lse)
     q = P.q
+    native = native_sources(P)
+    if native is not None:
+        R, H, D = P.rows.R, q.size(-2), q.size(-1)
+        out = torch.empty(R, H, D, dtype=q.dtype, device=q.device)
+        lse = torch.empty(R, H, dtype=stat_dtype(q), device=q.device)
+        _forward_native(P, *native, out, lse)
+        return _results(P, out, lse, return_softmax_lse)
     cdt = _compute_dtype(q)
     qf = P.rows.flat(q)
     R, H, D = qf.shape
@@ -80,6 +132,11 @@ def forward(P: MlaProblem, return_softmax_lse: bool):
         o, l = attend(qb, keys, k.mask, sinks, P.scale, q.dtype, k.valid)
         out[t0:t1] = o.to(q.dtype)
         lse[t0:t1] = l.to(lse.dtype)
+    return _results(P, out, lse, return_softmax_lse)
+
+
+def _results(P: MlaProblem, out, lse, return_softmax_lse: bool):
+    q = P.q
     attn_out = P.rows.unflat(out, q)
     if not return_softmax_lse:
         return attn_out, torch.zeros((), dtype=stat_dtype(q), device=q.device)

@@ -1,0 +1,429 @@
+// Fused sparse attention forward on the CPU (issue 15): for every query row, its keys (window
+// keys, then compressed keys; K = V) are gathered, S = scale * q k^T is formed in fp32, the
+// softmax with the sink is taken against the row's maximum, P is rounded to the query dtype and
+// O = P V accumulates in fp32, then O / l and lse = m + log(l).  These are the rounding points of
+// the golden (dsattn/sparse_mla/ref.py): no online rescaling, so results differ from it only by
+// summation order.
+//
+// The GEMMs go through ATen's exported batch-reduce GEMM (at::native::cpublas::brgemm, oneDNN's
+// ukernel).  Where the CPU multiplies bf16 / fp16 natively (AVX512-BF16 / AMX: cpublas::could_pack)
+// the half-precision rows are multiplied as they are with fp32 accumulation; elsewhere (AVX2,
+// AVX512F) the rows are widened to fp32 as they are gathered and the fp32 ukernel runs.  Products of
+// half-precision values are exact in fp32 either way, so both paths have the golden's numerics.
+//
+// Layout of the work for one row (H heads padded to Hp, a multiple of 16; D padded to Dp):
+//   keys  [npad, Dp]  gathered rows, zero past the row's n keys and past D
+//   S^T   [npad, Hp]  = keys x q^T   (A = the gathered keys as they are, B = q^T packed once per row)
+//   P     [Hp, npad]  exp(S - m) rounded to the query dtype, written transposed for the next GEMM
+//   O     [Hp, Dp]    = P x V        (B = V panels of 64 columns, packed for the ukernel)
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using at::native::cpublas::brgemm;
+using at::native::cpublas::brgemm_release;
+using at::native::cpublas::could_pack;
+
+constexpr int64_t KEY_ALIGN = 64;  // the key count is padded to a multiple of this
+constexpr int64_t PANEL = 64;      // a packed B panel is 16, 32, 48 or 64 columns wide (oneDNN)
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// exp(x) for x <= 0 (a score minus its row maximum), NaN propagated; Cephes' single-precision
+// range reduction and polynomial (about 1 ulp, like torch.exp).  Written so that the loops below
+// vectorise (no calls, no branches), compiled per ISA by target_clones.
+inline float exp_nonpositive(float x) {
+  const float lo = -87.33654f;                 // below: exp(x) < FLT_MIN, returned as 0
+  const float xc = x < lo ? lo : x;
+  // k = nearest integer to x / ln 2, by the 1.5 * 2^23 shifter (floorf would not vectorise
+  // under -ftrapping-math)
+  const float shifter = 12582912.0f;
+  const float k = (xc * 1.44269504088896341f + shifter) - shifter;
+  float r = xc - k * 0.693359375f;
+  r = r + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  const float two_k = __builtin_bit_cast(float, bits);
+  const float e = p * two_k;
+  return x < lo ? 0.0f : e;
+}
+
+// s[j, h] *= scale and m[h] = max(m[h], s[j, h]) over rows j < n (NaN propagates into m).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void scale_and_max(float* __restrict__ s, int64_t n, int64_t Hp, float scale, float* __restrict__ m) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* __restrict__ row = s + j * Hp;
+    for (int64_t h = 0; h < Hp; ++h) {
+      const float v = row[h] * scale;
+      row[h] = v;
+      m[h] = (v > m[h] || v != v) ? v : m[h];
+    }
+  }
+}
+
+// s[j, h] = exp(s[j, h] - m[h]) and l[h] += s[j, h] over rows j < n.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void exp_and_sum(float* __restrict__ s, int64_t n, int64_t Hp, const float* __restrict__ m, float* __restrict__ l) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* __restrict__ row = s + j * Hp;
+    for (int64_t h = 0; h < Hp; ++h) {
+      const float e = exp_nonpositive(row[h] - m[h]);
+      row[h] = e;
+      l[h] += e;
+    }
+  }
+}
+
+inline uint16_t bf16_bits(float x) {              // round to nearest even, as c10::BFloat16
+  const uint32_t u = __builtin_bit_cast(uint32_t, x);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return x != x ? uint16_t(0x7FC0) : static_cast<uint16_t>(r);
+}
+
+// P [Hp, npad] from e = S^T [n, Hp]: p[h, j] = bf16(e[j, h]), 0 for the padded keys j >= n.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void p_from_scores_bf16(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, uint16_t* __restrict__ p) {
+  constexpr int64_t T = 16;                        // tiles keep both sides in L1
+  for (int64_t j0 = 0; j0 < n; j0 += T) {
+    const int64_t j1 = std::min(n, j0 + T);
+    for (int64_t h = 0; h < Hp; ++h)
+      for (int64_t j = j0; j < j1; ++j) p[h * npad + j] = bf16_bits(e[j * Hp + h]);
+  }
+  for (int64_t h = 0; h < Hp; ++h) std::fill(p + h * npad + n, p + (h + 1) * npad, uint16_t(0));
+}
+
+// The same in fp32 (the fp32 GEMM path); round_bf16: P rounded to bf16 first (bf16 queries).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void p_from_scores_f32(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, float* __restrict__ p,
+                       bool round_bf16) {
+  constexpr int64_t T = 16;
+  for (int64_t j0 = 0; j0 < n; j0 += T) {
+    const int64_t j1 = std::min(n, j0 + T);
+    for (int64_t h = 0; h < Hp; ++h)
+      for (int64_t j = j0; j < j1; ++j) {
+        const float x = e[j * Hp + h];
+        p[h * npad + j] = round_bf16 ? __builtin_bit_cast(float, uint32_t(bf16_bits(x)) << 16) : x;
+      }
+  }
+  for (int64_t h = 0; h < Hp; ++h) std::fill(p + h * npad + n, p + (h + 1) * npad, 0.0f);
+}
+
+// The ukernel's packed B layout for 16-bit operands is [K/2][w][2] per panel of w columns (what
+// cpublas::pack writes; the tests compare): key rows 2i and 2i+1 interleaved element by element.
+// This writes pair i of rows (a, b) into every 64-column panel of V [npad, Dp] (panel d0 starts at
+// d0 * npad).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void pack_pair(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, int64_t Dp, int64_t npad, int64_t i,
+               uint16_t* __restrict__ v) {
+  for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
+    const int64_t w = std::min(PANEL, Dp - d0);
+    uint16_t* __restrict__ o = v + d0 * npad + 2 * i * w;
+    for (int64_t c = 0; c < w; ++c) {
+      o[2 * c] = a[d0 + c];
+      o[2 * c + 1] = b[d0 + c];
+    }
+  }
+}
+
+// out[h, :] = o[h, :D] * inv[h], rounded to bf16 / kept in fp32.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void normalize_bf16(const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D,
+                    uint16_t* __restrict__ out) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = bf16_bits(o[h * ldo + d] * inv[h]);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void normalize_f32(const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D,
+                   float* __restrict__ out) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = o[h * ldo + d] * inv[h];
+}
+
+// The work of one query row.  scalar_t: the query / cache dtype; mm_t: the GEMM operand type (the
+// query dtype where the CPU multiplies it natively, packed; else fp32).
+template <typename scalar_t, typename mm_t>
+struct RowAttention {
+  static constexpr bool packed = !std::is_same_v<mm_t, float>;
+  int64_t H, D, Hp, Dp;
+  float scale;
+  const float* sinks;  // [H] or null
+
+  mm_t *keys, *q_b, *v_packed, *p;                  // per-thread buffers (Workspace)
+  float *s, *o, *m, *l, *inv;
+
+  // Buffers that live as long as the thread: grown when a call needs more, never cleared (every
+  // element a row reads is written first).
+  struct Workspace {
+    std::vector<mm_t> keys, q_b, v_packed, p;
+    std::vector<float> s, o, m, l, inv;
+  };
+
+  template <typename T>
+  static T* sized(std::vector<T>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
+  }
+
+  void reserve(int64_t npad_max) {
+    static thread_local Workspace ws;
+    keys = sized(ws.keys, npad_max * Dp);
+    q_b = sized(ws.q_b, Dp * Hp);
+    v_packed = packed ? sized(ws.v_packed, npad_max * Dp) : nullptr;
+    p = sized(ws.p, Hp * npad_max);
+    s = sized(ws.s, npad_max * Hp);
+    o = sized(ws.o, Hp * Dp);
+    m = sized(ws.m, Hp);
+    l = sized(ws.l, Hp);
+    inv = sized(ws.inv, Hp);
+  }
+
+  static inline mm_t as_operand(scalar_t x) { return static_cast<mm_t>(static_cast<float>(x)); }
+
+  // The GEMM's B operand q^T [Dp, Hp], zero padded: plain for fp32, else in packed 64-column panels
+  // ([Dp/2][w][2] each, written directly: a pair of q's dims is one 32-bit word per head).
+  void load_query(const scalar_t* q) {
+    if constexpr (packed) {
+      for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
+        const int64_t w = std::min(PANEL, Hp - h0);
+        mm_t* panel = q_b + h0 * Dp;
+        for (int64_t k = 0; k < Dp; k += 2)
+          for (int64_t c = 0; c < w; ++c) {
+            const int64_t h = h0 + c;
+            mm_t* dst = panel + (k / 2) * w * 2 + 2 * c;
+            dst[0] = (h < H && k < D) ? q[h * D + k] : mm_t(0);
+            dst[1] = (h < H && k + 1 < D) ? q[h * D + k + 1] : mm_t(0);
+          }
+      }
+    } else {
+      for (int64_t d = 0; d < Dp; ++d)
+        for (int64_t h = 0; h < Hp; ++h) q_b[d * Hp + h] = (h < H && d < D) ? as_operand(q[h * D + d]) : 0.0f;
+    }
+  }
+
+  // keys [npad, Dp]: the row's key rows, then zero rows (their P is zero too, but 0 * NaN would
+  // not be); for the ukernel also V packed, pair by pair while the rows are in L1.  The rows are
+  // scattered over the cache, so the copy would wait on memory row after row: rows a few places
+  // ahead are prefetched.
+  void gather(const std::vector<const scalar_t*>& rows, int64_t npad) {
+    constexpr int64_t AHEAD = 8;
+    const int64_t n = static_cast<int64_t>(rows.size());
+    const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+    auto pack = [&](int64_t i) {                     // rows 2i, 2i+1 of keys into v_packed
+      const auto* a = reinterpret_cast<const uint16_t*>(keys + 2 * i * Dp);
+      pack_pair(a, a + Dp, Dp, npad, i, reinterpret_cast<uint16_t*>(v_packed));
+    };
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + AHEAD < n)
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[i + AHEAD]) + b, 0, 3);
+      mm_t* dst = keys + i * Dp;
+      const scalar_t* src = rows[i];
+      if constexpr (std::is_same_v<scalar_t, mm_t>) {
+        std::memcpy(dst, src, bytes);
+      } else {
+        for (int64_t d = 0; d < D; ++d) dst[d] = as_operand(src[d]);
+      }
+      std::fill(dst + D, dst + Dp, mm_t(0));
+      if constexpr (packed)
+        if (i % 2 == 1) pack(i / 2);
+    }
+    std::fill(keys + n * Dp, keys + npad * Dp, mm_t(0));
+    if constexpr (packed)
+      for (int64_t i = n / 2; i < npad / 2; ++i) pack(i);
+  }
+
+  void p_from_scores(int64_t n, int64_t npad) {
+    if constexpr (std::is_same_v<mm_t, at::BFloat16>) {
+      p_from_scores_bf16(s, n, npad, Hp, reinterpret_cast<uint16_t*>(p));
+    } else if constexpr (std::is_same_v<mm_t, float> && !std::is_same_v<scalar_t, at::Half>) {
+      p_from_scores_f32(s, n, npad, Hp, p, std::is_same_v<scalar_t, at::BFloat16>);
+    } else {                                          // fp16 rounding: c10's conversion, element by element
+      for (int64_t h = 0; h < Hp; ++h) {
+        mm_t* prow = p + h * npad;
+        for (int64_t j = 0; j < n; ++j) prow[j] = as_operand(static_cast<scalar_t>(s[j * Hp + h]));
+        std::fill(prow + n, prow + npad, mm_t(0));
+      }
+    }
+  }
+
+  void store(const float* inv, scalar_t* out) {
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      normalize_bf16(o, Dp, inv, H, D, reinterpret_cast<uint16_t*>(out));
+    } else if constexpr (std::is_same_v<scalar_t, float>) {
+      normalize_f32(o, Dp, inv, H, D, out);
+    } else {
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<scalar_t>(o[h * Dp + d] * inv[h]);
+    }
+  }
+
+  // One query row over its gathered keys -> out [H, D] (query dtype), lse [H].
+  void run(const scalar_t* q, const std::vector<const scalar_t*>& rows, scalar_t* out, float* lse) {
+    const int64_t n = static_cast<int64_t>(rows.size());
+    if (n == 0) {                                   // no key: O = 0, lse = 0
+      std::fill(out, out + H * D, scalar_t(0));
+      std::fill(lse, lse + H, 0.0f);
+      return;
+    }
+    const int64_t npad = round_up(n, KEY_ALIGN);
+    load_query(q);
+    gather(rows, npad);
+    // S^T = keys x q^T, one call per head panel
+    for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
+      const int64_t w = std::min(PANEL, Hp - h0);
+      if constexpr (packed)
+        brgemm(npad, w, Dp, Dp, w, Hp, false, keys, q_b + h0 * Dp, s + h0, true);
+      else
+        brgemm(npad, w, Dp, Dp, Hp, Hp, false, keys, q_b + h0, s + h0, false);
+      }
+    // the softmax's shift: the row maximum joined with the finite sinks; 0 where nothing is finite
+    std::fill(m, m + Hp, -std::numeric_limits<float>::infinity());
+    scale_and_max(s, n, Hp, scale, m);
+    for (int64_t h = 0; h < Hp; ++h) {
+      if (sinks != nullptr && h < H && std::isfinite(sinks[h])) m[h] = std::max(m[h], sinks[h]);
+      if (!std::isfinite(m[h])) m[h] = 0.0f;
+    }
+    std::fill(l, l + Hp, 0.0f);
+    exp_and_sum(s, n, Hp, m, l);
+    p_from_scores(n, npad);                          // P = round(e) to the query dtype, [Hp, npad]
+    // O = P x V, one call per 64-column panel of V over all the row's keys
+    for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
+      const int64_t w = std::min(PANEL, Dp - d0);
+      if constexpr (packed) {
+        brgemm(Hp, w, npad, npad, w, Dp, false, p, v_packed + d0 * npad, o + d0, true);
+      } else {
+        brgemm(Hp, w, npad, npad, Dp, Dp, false, p, keys + d0, o + d0, false);
+      }
+      }
+    for (int64_t h = 0; h < H; ++h) {
+      const float den = l[h] + (sinks != nullptr ? std::exp(sinks[h] - m[h]) : 0.0f);
+      inv[h] = 1.0f / den;
+      lse[h] = m[h] + std::log(den);
+    }
+    store(inv, out);
+  }
+};
+
+template <typename scalar_t, typename mm_t>
+void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows,
+                  const float* sinks, double scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  int64_t width = 0;
+  for (const auto& r : rows) width += r.size(1);
+  const int64_t npad_max = round_up(std::max<int64_t>(width, 1), KEY_ALIGN);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  float* lp = lse.data_ptr<float>();
+  std::vector<const scalar_t*> bases;
+  std::vector<int64_t> counts;
+  std::vector<const int64_t*> index;
+  std::vector<int64_t> widths;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    bases.push_back(sources[i].data_ptr<scalar_t>());
+    counts.push_back(sources[i].size(0));
+    index.push_back(rows[i].data_ptr<int64_t>());
+    widths.push_back(rows[i].size(1));
+  }
+  for (size_t i = 0; i < sources.size(); ++i) {      // every read below is in range
+    const int64_t* idx = index[i];
+    for (int64_t k = 0; k < R * widths[i]; ++k)
+      TORCH_CHECK_INDEX(idx[k] < counts[i], "rows[", i, "]: key row ", idx[k], " is out of range [0, ", counts[i], ")");
+  }
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    RowAttention<scalar_t, mm_t> work{H, D, round_up(H, 16), round_up(D, 16), static_cast<float>(scale), sinks};
+    work.reserve(npad_max);
+    std::vector<const scalar_t*> keys;
+    keys.reserve(width);
+    for (int64_t r = r0; r < r1; ++r) {
+      keys.clear();
+      for (size_t i = 0; i < bases.size(); ++i) {
+        const int64_t* idx = index[i] + r * widths[i];
+        for (int64_t j = 0; j < widths[i]; ++j)
+          if (idx[j] >= 0) keys.push_back(bases[i] + idx[j] * D);
+      }
+      work.run(qp + r * H * D, keys, op + r * H * D, lp + r * H);
+    }
+    if (RowAttention<scalar_t, mm_t>::packed) brgemm_release(true);
+  });
+}
+
+}  // namespace
+
+// out [R, H, D] (q's dtype) and lse [R, H] (fp32) of the rows of q [R, H, D] over the key rows
+// sources[i][rows[i][r, j]] (rows: int64 [R, W_i], -1 = no key), with the sink sinks [H] (fp32).
+std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std::vector<at::Tensor>& sources,
+                                                 const std::vector<at::Tensor>& rows,
+                                                 const c10::optional<at::Tensor>& sinks, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q: expected a contiguous CPU [R, H, D] tensor");
+  TORCH_CHECK(sources.size() == rows.size(), "sources and rows: one index table per source");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  for (size_t i = 0; i < sources.size(); ++i) {
+    TORCH_CHECK(sources[i].dim() == 2 && sources[i].size(1) == D && sources[i].is_contiguous() &&
+                    sources[i].scalar_type() == q.scalar_type(),
+                "sources[", i, "]: expected a contiguous [N, D] tensor of q's dtype");
+    TORCH_CHECK(rows[i].dim() == 2 && rows[i].size(0) == R && rows[i].scalar_type() == at::kLong && rows[i].is_contiguous(),
+                "rows[", i, "]: expected a contiguous int64 [R, W] tensor");
+  }
+  const float* sink_ptr = nullptr;
+  at::Tensor sinks_f;
+  if (sinks.has_value()) {
+    sinks_f = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks_f.numel() == H, "sinks: expected [H]");
+    sink_ptr = sinks_f.data_ptr<float>();
+  }
+  auto out = at::empty({R, H, D}, q.options());
+  auto lse = at::empty({R, H}, q.options().dtype(at::kFloat));
+  const auto dt = q.scalar_type();
+  if (dt == at::kBFloat16 && could_pack(dt))
+    forward_rows<at::BFloat16, at::BFloat16>(q, sources, rows, sink_ptr, scale, out, lse);
+  else if (dt == at::kBFloat16)
+    forward_rows<at::BFloat16, float>(q, sources, rows, sink_ptr, scale, out, lse);
+  else if (dt == at::kHalf && could_pack(dt))
+    forward_rows<at::Half, at::Half>(q, sources, rows, sink_ptr, scale, out, lse);
+  else if (dt == at::kHalf)
+    forward_rows<at::Half, float>(q, sources, rows, sink_ptr, scale, out, lse);
+  else if (dt == at::kFloat)
+    forward_rows<float, float>(q, sources, rows, sink_ptr, scale, out, lse);
+  else
+    TORCH_CHECK(false, "q: dtype ", dt, " is not supported (bf16, fp16, fp32)");
+  return {out, lse};
+}
+
+// Which GEMM the forward uses for a query dtype: "packed" (native half-precision products) or "fp32".
+std::string attention_gemm(const std::string& dtype) {
+  const auto dt = dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf : at::kFloat;
+  return (dt != at::kFloat && could_pack(dt)) ? "packed" : "fp32";
+}
+
+// Test hook: the packed V layout written by pack_pair equals cpublas::pack's for a random bf16
+// [K, N] matrix (K even), panel by panel.  None where the CPU has no packed bf16 GEMM.
+c10::optional<bool> packed_layout_matches(int64_t K, int64_t N) {
+  if (!could_pack(at::kBFloat16)) return c10::nullopt;
+  TORCH_CHECK(K % 2 == 0 && N % 16 == 0, "K even, N a multiple of 16");
+  const auto B = at::randn({K, N}).to(at::kBFloat16).contiguous();
+  const auto* b = reinterpret_cast<const uint16_t*>(B.data_ptr());
+  std::vector<uint16_t> ours(K * N), theirs(K * N);
+  for (int64_t i = 0; i < K / 2; ++i) pack_pair(b + 2 * i * N, b + (2 * i + 1) * N, N, K, i, ours.data());
+  for (int64_t d0 = 0; d0 < N; d0 += PANEL) {
+    const int64_t w = std::min(PANEL, N - d0);
+    at::native::cpublas::pack(K, w, N, w, at::kBFloat16, at::kBFloat16, b + d0, theirs.data() + d0 * K);
+  }
+  return ours == theirs;
+}

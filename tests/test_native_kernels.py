@@ -1,0 +1,139 @@
+"""The compiled CPU kernels against the golden, beside the PyTorch paths they replace.
+
+Attention forward (dsattn/native/attention.cpp): layouts, ratios, dtypes, paged caches, ragged and
+empty rows, -1 padding, NaN in every cache row no index references, odd head counts and head dims.
+Indexer scores (dsattn/native/indexer.cpp): exact ties in the golden's order, and the scores
+against float64 math."""
+import pytest
+import torch
+
+from dsattn import cases, native, ops, reference, verify
+from dsattn.indexer import fast as indexer_fast
+from dsattn.sparse_mla import fast
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _module():
+    module = native.load()
+    if module is None and native.requested() and native.compiler_available():
+        pytest.fail(f"the native layer did not build: {native.status()}")
+    return module
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch):
+    """Which CPU forward runs; 'native' also counts the compiled calls so a test sees it ran."""
+    calls = []
+    if request.param == "torch":
+        monkeypatch.setattr(fast, "native_sources", lambda P: None)
+        monkeypatch.setattr(indexer_fast, "_native_scores", lambda P: None)
+    else:
+        if _module() is None:
+            pytest.skip(f"no compiled layer here: {native.status()}")
+        real = fast._forward_native
+
+        def counted(*a, **k):
+            calls.append(1)
+            return real(*a, **k)
+        monkeypatch.setattr(fast, "_forward_native", counted)
+    return request.param, calls
+
+
+def _forward_rows(case):
+    rows = [r for r in verify.mla_rows(case) if r.output in ("attn_out", "softmax_lse")]
+    assert {r.output for r in rows} == {"attn_out", "softmax_lse"}
+    bad = [f"{r.case}/{r.output}: {r.result}" for r in rows if not r.result.passed]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "PA_BBND"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("ratio", [1, 4, 128])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_forward_equals_golden(path, layout, ratio, dtype, paged):
+    case = cases.mla_case(layout, ratio, dtype, paged=paged, seed=torch.randint(0, 2**31 - 1, ()).item())
+    _forward_rows(case)
+    assert bool(path[1]) == (path[0] == "native")
+
+
+@pytest.mark.parametrize("H, D", [(3, 33), (20, 48), (80, 24)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_forward_odd_heads_and_dims(path, H, D, dtype):
+    """Head counts padded to 16 (and past one 64-head panel), head dims padded to 16 (odd ones too)."""
+    case = cases.mla_case("TND", 4, dtype, H=H, D=D, seed=torch.randint(0, 2**31 - 1, ()).item())
+    _forward_rows(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_forward_many_keys_per_row(path, dtype):
+    """Rows over several 64-key blocks: a 100-key window and 96 compressed keys, ragged."""
+    case = cases.mla_case("TND", 4, dtype, window=100, topk=96, seed=torch.randint(0, 2**31 - 1, ()).item(),
+                          lengths=[(7, 700), (0, 50), (3, 130)])
+    _forward_rows(case)
+
+
+@pytest.mark.parametrize("sink", [float("inf"), float("-inf")])
+def test_forward_infinite_sinks(path, sink):
+    case = cases.mla_case("BSND", 4, torch.bfloat16, seed=torch.randint(0, 2**31 - 1, ()).item())
+    case.kwargs["sinks"][::2] = sink
+    out, lse = ops.sparse_flash_mla(case.q, return_softmax_lse=True, **case.kwargs)
+    ref_out, ref_lse = reference.sparse_flash_mla(case.q, return_softmax_lse=True, **case.kwargs)
+    used = ~torch.isnan(case.q).any(-1)                        # padding rows are not compared
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert torch.allclose(out[used].float(), ref_out[used].float(), atol=2e-2)
+    assert not torch.isnan(out[used]).any()
+
+
+def test_packed_layout_is_the_ukernels():
+    module = _module()
+    if module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    for K, N in [(64, 512), (640, 64), (2, 16), (130, 48)]:
+        same = module.packed_layout_matches(K, N)
+        if same is None:
+            pytest.skip("this CPU has no packed bf16 GEMM (the fp32 GEMM path runs)")
+        assert same, (K, N)
+
+
+def test_native_rejects_rows_out_of_range():
+    module = _module()
+    if module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    q = torch.randn(2, 4, 32).bfloat16()
+    src = torch.randn(10, 32).bfloat16()
+    rows = torch.tensor([[0, 9, -1], [3, 10, 2]])
+    with pytest.raises(IndexError, match="out of range"):
+        module.sparse_attention_forward(q, [src], [rows], None, 1.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        module.sparse_attention_forward(q.double(), [src.double()], [rows.clamp(max=9)], None, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "PA_BBND"])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_indexer_exact_ties_in_the_golden_order(path, layout, paged, dtype):
+    """Small integers: every score is exact in every dtype, ties are real; indices and values must
+    equal the golden's exactly (ties to the lower key)."""
+    case = cases.indexer_case(layout, 4, dtype, paged=paged, integer=True, seed=torch.randint(0, 2**31 - 1, ()).item())
+    k, w, topk = case.extra["k"], case.extra["w"], case.extra["topk"]
+    i1, v1 = ops.lightning_indexer(case.q, k, w, topk, **case.kwargs)
+    i2, v2 = reference.lightning_indexer(case.q, k, w, topk, **case.kwargs)
+    assert torch.equal(i1, i2) and torch.equal(v1, v2)
+    assert (i1 >= 0).any()
+
+
+@pytest.mark.parametrize("R, H, D, N", [(5, 3, 33, 130), (2, 80, 16, 64), (7, 64, 128, 200), (1, 4, 8, 1)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_indexer_scores_against_float64(R, H, D, N, dtype):
+    module = _module()
+    if module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    q, keys = torch.randn(R, H, D).to(dtype), torch.randn(N, D).to(dtype)
+    w = torch.rand(R, H) + 0.1
+    got = module.indexer_scores(q, keys, w)
+    exact = torch.einsum("rh,rhn->rn", w.double(), torch.relu(torch.einsum("rhd,nd->rhn", q.double(), keys.double())))
+    assert got.dtype == torch.float32 and got.shape == (R, N)
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4 * H)
+    with pytest.raises(RuntimeError, match="keys"):
+        module.indexer_scores(q, keys.double(), w)
