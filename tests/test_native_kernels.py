@@ -2,8 +2,8 @@
 
 Attention forward (dsattn/native/attention.cpp): layouts, ratios, dtypes, paged caches, ragged and
 empty rows, -1 padding, NaN in every cache row no index references, odd head counts and head dims.
-Indexer scores (dsattn/native/indexer.cpp): exact ties in the golden's order, and the scores
-against float64 math."""
+Indexer top-k (dsattn/native/indexer.cpp): exact ties in the golden's order over BSND, TND and paged
+keys, and the scores against float64 math."""
 import pytest
 import torch
 
@@ -27,16 +27,17 @@ def path(request, monkeypatch):
     calls = []
     if request.param == "torch":
         monkeypatch.setattr(fast, "native_sources", lambda P: None)
-        monkeypatch.setattr(indexer_fast, "_native_scores", lambda P: None)
+        monkeypatch.setattr(indexer_fast, "native_indexer", lambda P: None)
     else:
         if _module() is None:
             pytest.skip(f"no compiled layer here: {native.status()}")
-        real = fast._forward_native
+        for owner, name in ((fast, "_forward_native"), (indexer_fast, "_native_topk")):
+            real = getattr(owner, name)
 
-        def counted(*a, **k):
-            calls.append(1)
-            return real(*a, **k)
-        monkeypatch.setattr(fast, "_forward_native", counted)
+            def counted(*a, _real=real, **k):
+                calls.append(1)
+                return _real(*a, **k)
+            monkeypatch.setattr(owner, name, counted)
     return request.param, calls
 
 
@@ -121,19 +122,49 @@ def test_indexer_exact_ties_in_the_golden_order(path, layout, paged, dtype):
     i2, v2 = reference.lightning_indexer(case.q, k, w, topk, **case.kwargs)
     assert torch.equal(i1, i2) and torch.equal(v1, v2)
     assert (i1 >= 0).any()
+    assert bool(path[1]) == (path[0] == "native")
 
 
-@pytest.mark.parametrize("R, H, D, N", [(5, 3, 33, 130), (2, 80, 16, 64), (7, 64, 128, 200), (1, 4, 8, 1)])
+@pytest.mark.parametrize("R, H, D, N, page", [(5, 3, 33, 300, 300), (2, 80, 16, 64, 7), (7, 64, 128, 600, 64),
+                                              (1, 4, 8, 1, 1)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_indexer_scores_against_float64(R, H, D, N, dtype):
+def test_indexer_topk_against_float64(R, H, D, N, page, dtype):
+    """topk = every key: the kernel's values are each row's scores in order, against float64 math;
+    keys reached through pages of ``page`` rows laid out in reverse, the unused rows NaN."""
     module = _module()
     if module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
-    q, keys = torch.randn(R, H, D).to(dtype), torch.randn(N, D).to(dtype)
-    w = torch.rand(R, H) + 0.1
-    got = module.indexer_scores(q, keys, w)
-    exact = torch.einsum("rh,rhn->rn", w.double(), torch.relu(torch.einsum("rhd,nd->rhn", q.double(), keys.double())))
-    assert got.dtype == torch.float32 and got.shape == (R, N)
-    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4 * H)
+    P = -(-N // page)
+    keys = torch.full((P * page + 5, D), float("nan")).to(dtype)
+    logical = torch.randn(N, D).to(dtype)
+    starts = (torch.arange(P - 1, -1, -1) * page + 5)[None, :].repeat(2, 1)       # batch 0 and 1, same pages
+    for j in range(N):
+        keys[starts[0, j // page] + j % page] = logical[j]
+    q, w = torch.randn(R, H, D).to(dtype), torch.rand(R, H) + 0.1
+    n = torch.randint(0, N + 1, (R,))
+    n[0] = N
+    batch = torch.randint(0, 2, (R,))
+    vals, idx = module.indexer_topk(q, keys, starts, page, batch, n, w, N)
+    exact = torch.einsum("rh,rhn->rn", w.double(), torch.relu(torch.einsum("rhd,nd->rhn", q.double(), logical.double())))
+    for t in range(R):
+        m = int(n[t])
+        want = torch.sort(exact[t, :m], descending=True).values
+        assert torch.allclose(vals[t, :m].double(), want, rtol=1e-5, atol=1e-4 * H)
+        assert torch.allclose(exact[t, idx[t, :m]], vals[t, :m].double(), rtol=1e-5, atol=1e-4 * H)
+        assert sorted(idx[t, :m].tolist()) == list(range(m))
+        assert torch.isneginf(vals[t, m:]).all()
+
+
+def test_indexer_topk_rejects_pages_out_of_range():
+    module = _module()
+    if module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    q, keys, w = torch.randn(1, 4, 16).bfloat16(), torch.randn(10, 16).bfloat16(), torch.rand(1, 4)
+    args = (torch.tensor([[0, 8]]), 4, torch.tensor([0]))
+    module.indexer_topk(q, keys, *args, torch.tensor([6]), w, 4)        # rows 0-3, 8-9: in range
+    with pytest.raises(IndexError, match="not within"):
+        module.indexer_topk(q, keys, *args, torch.tensor([7]), w, 4)    # row 10
+    with pytest.raises(IndexError, match="not covered"):
+        module.indexer_topk(q, keys, *args, torch.tensor([9]), w, 4)    # a third page
     with pytest.raises(RuntimeError, match="keys"):
-        module.indexer_scores(q, keys.double(), w)
+        module.indexer_topk(q, keys.float(), *args, torch.tensor([6]), w, 4)

@@ -232,6 +232,17 @@ class KVSource:
         idx = i1 if self.layout == "TND" else i0 * self.tensor.size(1) + i1
         return torch.where(mask, idx, torch.full((), -1, dtype=idx.dtype, device=idx.device))
 
+    def pages(self) -> tuple[torch.Tensor, int]:
+        """``(starts [B, P] int64, page)``: key ``j`` of batch ``b`` is row ``starts[b, j // page] +
+        j % page`` of :meth:`flat_rows` (BSND / TND: one page per batch; paged: the blocks)."""
+        t = self.tensor
+        if self.layout == "BSND":
+            S = t.size(1)
+            return (torch.arange(t.size(0), device=t.device, dtype=torch.int64) * S)[:, None], max(S, 1)
+        if self.layout == "TND":
+            return self.cu[:-1, None].contiguous(), max(t.size(0), 1)
+        return (self.block_table.to(torch.int64) * t.size(1)).contiguous(), t.size(1)
+
     def scatter_add(self, grad: torch.Tensor, i0, i1, values: torch.Tensor) -> None:
         """``grad`` (shaped like the KV tensor, fp32) += values at (i0, i1), as one ``index_add_``
         over the flattened rows (faster on the CPU than an accumulating ``index_put_``)."""

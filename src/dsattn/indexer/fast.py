@@ -74,13 +74,26 @@ KEY_BLOCK = 4096                 # keys scored per GEMM in the shared-key path (
 SCORE_BUDGET = 64 << 20          # bytes of [rows, heads, keys] scores per step
 
 
-def _native_scores(P: IndexerProblem):
-    """The compiled kernel of scores and running top-k (dsattn/native/indexer.cpp) where it applies
-    (a query dtype it takes, plain keys), else None."""
-    if P.q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or P.k.decode is not None:
+def native_indexer(P: IndexerProblem):
+    """The compiled top-k (dsattn/native/indexer.cpp) where it applies: CPU tensors of a dtype it
+    takes, plain keys (not packed), the extension built.  Else None."""
+    if P.q.device.type != "cpu" or P.q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    if P.k.flat_rows() is None:
         return None
     from .. import native
     return native.load()
+
+
+def _native_topk(P: IndexerProblem, module, topk: int, offset: torch.Tensor | None):
+    """Every row in one call: the kernel scores each row against its request's keys in place (no
+    gather, no [rows, keys] buffer) and keeps a running top-k; nothing is read on the host here."""
+    R = P.rows.R
+    n = P.num_valid(0, R).to(torch.int64).contiguous()                  # 0 for padding rows: not read
+    pages, page = P.k.pages()
+    vals, idx = module.indexer_topk(P.rows.flat(P.q).contiguous(), P.k.flat_rows(), pages, page,
+                                    P.rows.batch.to(torch.int64).contiguous(), n, P.w.contiguous(), topk)
+    return finish_topk(idx, vals, n, topk, offset)
 
 
 def _shared_key_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None):
@@ -100,44 +113,31 @@ def _shared_key_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | Non
     ok = P.rows.used
     batch = P.rows.batch
     counts = torch.bincount(batch, minlength=P.rows.B).tolist()
-    module = _native_scores(P)
-    if module is None:
-        rows_per_step = max(1, SCORE_BUDGET // (4 * H * KEY_BLOCK))
-    else:       # no score buffer: the kernel keeps at most 2 topk + 64 candidates per row of a group
-        rows_per_step = R
+    rows_per_step = max(1, SCORE_BUDGET // (4 * H * KEY_BLOCK))
     ninf = torch.full((), float("-inf"), device=dev)
     t = 0
     for b, count in enumerate(counts):
         for t0 in range(t, t + count, rows_per_step):
             t1 = min(t + count, t0 + rows_per_step)
             n = n_all[t0:t1]
+            q = _zero_rows(qf[t0:t1].float(), ok[t0:t1]).reshape(-1, D)              # [r*H, D]
+            w = _zero_rows(P.w[t0:t1], ok[t0:t1])[:, None, :]                       # [r, 1, H]
             run_v = torch.full((t1 - t0, topk), float("-inf"), device=dev)
             run_i = torch.zeros(t1 - t0, topk, dtype=torch.int64, device=dev)
             width = int(n.max()) if t1 > t0 else 0
-            if module is not None:
-                # the compiled kernel scores and merges each key into the running top-k itself; it
-                # reads no row without keys (n = 0: padding), so q and w go as they are
-                q, w, n64 = qf[t0:t1].contiguous(), P.w[t0:t1].contiguous(), n.to(torch.int64).contiguous()
-                key_block = max(KEY_BLOCK, SCORE_BUDGET // (4 * D))
-                for k0 in range(0, width, key_block):
-                    keys = P.k.span(b, k0, min(width, k0 + key_block), check=P.content).contiguous()
-                    module.indexer_topk_merge(q, keys, k0, w, n64, run_v, run_i)
-            else:
-                q = _zero_rows(qf[t0:t1].float(), ok[t0:t1]).reshape(-1, D)          # [r*H, D]
-                w = _zero_rows(P.w[t0:t1], ok[t0:t1])[:, None, :]                   # [r, 1, H]
-                # few rows (decode): wider key blocks, one GEMM and one merge over the whole context when it fits
-                key_block = max(KEY_BLOCK, SCORE_BUDGET // (4 * H * (t1 - t0)))
-                for k0 in range(0, width, key_block):
-                    k1 = min(width, k0 + key_block)
-                    x = torch.arange(k0, k1, device=dev)[None, :]
-                    keys = P.k.span(b, k0, k1, check=P.content).float()             # [kb, D], once per block
-                    s = torch.relu_(q @ keys.T).view(t1 - t0, H, k1 - k0)
-                    score = torch.bmm(w, s)[:, 0]                                     # [r, kb]
-                    score = torch.where(x < n[:, None], score, ninf)
-                    cand_v = torch.cat([run_v, score], 1)
-                    cand_i = torch.cat([run_i, x.expand(t1 - t0, -1)], 1)
-                    pos = topk_positions(cand_v, topk)
-                    run_v, run_i = cand_v.gather(1, pos), cand_i.gather(1, pos)
+            # few rows (decode): wider key blocks, one GEMM and one merge over the whole context when it fits
+            key_block = max(KEY_BLOCK, SCORE_BUDGET // (4 * H * (t1 - t0)))
+            for k0 in range(0, width, key_block):
+                k1 = min(width, k0 + key_block)
+                x = torch.arange(k0, k1, device=dev)[None, :]
+                keys = P.k.span(b, k0, k1, check=P.content).float()                 # [kb, D], once per block
+                s = torch.relu_(q @ keys.T).view(t1 - t0, H, k1 - k0)
+                score = torch.bmm(w, s)[:, 0]                                         # [r, kb]
+                score = torch.where(x < n[:, None], score, ninf)
+                cand_v = torch.cat([run_v, score], 1)
+                cand_i = torch.cat([run_i, x.expand(t1 - t0, -1)], 1)
+                pos = topk_positions(cand_v, topk)
+                run_v, run_i = cand_v.gather(1, pos), cand_i.gather(1, pos)
             idx_out[t0:t1], val_out[t0:t1] = finish_topk(run_i, run_v, n, topk,
                                                          None if offset is None else offset[t0:t1])
         t += count
@@ -151,6 +151,9 @@ def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None)
         if triton_kernels.supports(P):
             return triton_kernels.lightning_indexer(P, topk, offset)
     dev = P.q.device
+    module = native_indexer(P)
+    if module is not None:
+        return _native_topk(P, module, topk, offset)
     if dev.type == "cpu" and P.content and P.rows.R >= 2 * P.rows.B:
         # (it plans on the host from the lengths: only where host reads are allowed, i.e. with content
         # checks on, as width_bound does; a serving step that turns them off keeps the extent-only path.

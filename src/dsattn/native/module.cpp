@@ -15,9 +15,9 @@ std::vector<torch::Tensor> sparse_attention_forward(const torch::Tensor& q, cons
                                                     const c10::optional<torch::Tensor>& sinks, double scale);
 std::string attention_gemm(const std::string& dtype);
 c10::optional<bool> packed_layout_matches(int64_t K, int64_t N);
-torch::Tensor indexer_scores(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& w);
-void indexer_topk_merge(const torch::Tensor& q, const torch::Tensor& keys, int64_t offset, const torch::Tensor& w,
-                        const torch::Tensor& n, torch::Tensor& run_v, torch::Tensor& run_i);
+std::vector<torch::Tensor> indexer_topk(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& pages,
+                                        int64_t page, const torch::Tensor& batch, const torch::Tensor& n,
+                                        const torch::Tensor& w, int64_t topk);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dsattn's compiled kernel layer";
@@ -26,8 +26,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fused sparse attention forward over gathered key rows (the golden's rounding points)");
   m.def("attention_gemm", &attention_gemm, "which GEMM the forward runs for a query dtype: packed or fp32");
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
-  m.def("indexer_scores", &indexer_scores, "lightning-indexer scores of query rows against a run of keys");
-  m.def("indexer_topk_merge", &indexer_topk_merge,
-        "merge a run of keys into the running top-k of query rows (the golden's order), in place");
+  m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys");
   m.def("plan_lengths", &plan_lengths, "the metadata plan table for explicit per-batch lengths");
 }
