@@ -63,8 +63,11 @@ def describe() -> str:
                 else "every device runs the vectorised PyTorch path")
              + (f" (this machine: {torch.cuda.get_device_name()})" if torch.cuda.is_available() else
                 " (this machine: no CUDA device)"),
-             "CPU attention forward: " + _cpu_attention(native.load()),
-             "CPU indexer / backward: vectorised PyTorch",
+             "CPU attention forward: " + _cpu_attention(native.kernels()),
+             "CPU indexer: " + ("compiled (dsattn/native/indexer.cpp): scores and a running top-k per row over its "
+                                "keys in place (BSND, TND, paged)" if native.kernels() is not None else
+                                "vectorised PyTorch"),
+             "CPU backward: vectorised PyTorch",
              f"metadata planner: {native.status()}"
              + ("" if native.load() is not None else "; the NumPy fast planner runs")]
     return "\n".join(lines)
@@ -72,7 +75,7 @@ def describe() -> str:
 
 def _cpu_attention(module) -> str:
     if module is None:
-        return "vectorised PyTorch (the compiled layer is not loaded)"
+        return "vectorised PyTorch (the compiled kernels are not loaded)"
     gemm = {m: module.attention_gemm(m) for m in ("bfloat16", "float16")}
     how = lambda g: "half-precision products, fp32 sums (oneDNN ukernel: AMX / AVX512-BF16)" if g == "packed" \
         else "widened to fp32 GEMMs"   # noqa: E731

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .. import ops, reference
+from .. import native, ops, reference
 from ..common.softmax import set_flash_attention
 from . import workloads
 from .harness import Result, current_rss_mb, measure_ceilings, peak_rss_growth_mb, timeit
@@ -21,9 +21,14 @@ def _fwd(q, kw):
 
 
 def _both_paths(family, name, q, kw, flops, repeat, results):
-    """The default (golden-rounding) path and the opt-in flash path, side by side."""
+    """The default (golden-rounding) path -- the compiled kernel where it is built --, the PyTorch
+    path it replaces, and the opt-in flash path, side by side."""
     t = timeit(lambda: _fwd(q, kw), repeat=repeat)
     results.append(Result(family, name, "dsattn (default)", t, flops / 1e9))
+    if native.kernels() is not None:
+        with native.suspended():
+            t = timeit(lambda: _fwd(q, kw), repeat=repeat)
+        results.append(Result(family, name, "PyTorch path (DSATTN_NATIVE=0)", t, flops / 1e9))
     set_flash_attention(True)
     try:
         t = timeit(lambda: _fwd(q, kw), repeat=repeat)

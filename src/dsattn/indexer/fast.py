@@ -82,7 +82,7 @@ def native_indexer(P: IndexerProblem):
     if P.k.flat_rows() is None:
         return None
     from .. import native
-    return native.load()
+    return native.kernels()
 
 
 def _native_topk(P: IndexerProblem, module, topk: int, offset: torch.Tensor | None):

@@ -23,6 +23,7 @@ import time
 import warnings
 
 _SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp")
+_HEADERS = ("common.h",)
 _state: dict = {}
 
 
@@ -72,7 +73,8 @@ def _stamp(args: dict) -> str:
 
     import torch
     h = hashlib.sha256(f"{torch.__version__} {args['extra_cflags']}".encode())
-    for src in args["sources"]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for src in args["sources"] + [os.path.join(here, x) for x in _HEADERS]:
         with open(src, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
@@ -123,6 +125,13 @@ def load():
                       "NumPy paths run instead (set DSATTN_NATIVE=0 to skip the build)", RuntimeWarning,
                       stacklevel=2)
     return _state["module"]
+
+
+def kernels():
+    """The module where its attention / indexer kernels exist (the torch it was built against exports
+    the batch-reduce GEMM they run on), else None."""
+    module = load()
+    return module if module is not None and module.kernels_available() else None
 
 
 def compiler_available() -> bool:

@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,6 +31,8 @@
 #include <type_traits>
 #include <vector>
 
+#if DSATTN_HAVE_BRGEMM
+
 namespace {
 
 using at::native::cpublas::brgemm;
@@ -36,9 +40,8 @@ using at::native::cpublas::brgemm_release;
 using at::native::cpublas::could_pack;
 
 constexpr int64_t KEY_ALIGN = 64;  // the key count is padded to a multiple of this
-constexpr int64_t PANEL = 64;      // a packed B panel is 16, 32, 48 or 64 columns wide (oneDNN)
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+using dsattn_native::PANEL;
+using dsattn_native::round_up;
 
 // exp(x) for x <= 0 (a score minus its row maximum), NaN propagated; Cephes' single-precision
 // range reduction and polynomial (about 1 ulp, like torch.exp).  Written so that the loops below
@@ -197,26 +200,7 @@ struct RowAttention {
 
   static inline mm_t as_operand(scalar_t x) { return static_cast<mm_t>(static_cast<float>(x)); }
 
-  // The GEMM's B operand q^T [Dp, Hp], zero padded: plain for fp32, else in packed 64-column panels
-  // ([Dp/2][w][2] each, written directly: a pair of q's dims is one 32-bit word per head).
-  void load_query(const scalar_t* q) {
-    if constexpr (packed) {
-      for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
-        const int64_t w = std::min(PANEL, Hp - h0);
-        mm_t* panel = q_b + h0 * Dp;
-        for (int64_t k = 0; k < Dp; k += 2)
-          for (int64_t c = 0; c < w; ++c) {
-            const int64_t h = h0 + c;
-            mm_t* dst = panel + (k / 2) * w * 2 + 2 * c;
-            dst[0] = (h < H && k < D) ? q[h * D + k] : mm_t(0);
-            dst[1] = (h < H && k + 1 < D) ? q[h * D + k + 1] : mm_t(0);
-          }
-      }
-    } else {
-      for (int64_t d = 0; d < Dp; ++d)
-        for (int64_t h = 0; h < Hp; ++h) q_b[d * Hp + h] = (h < H && d < D) ? as_operand(q[h * D + d]) : 0.0f;
-    }
-  }
+  void load_query(const scalar_t* q) { dsattn_native::pack_query<scalar_t, mm_t>(q, H, D, Hp, Dp, q_b); }
 
   // keys [npad, Dp]: the row's key rows, then zero rows (their P is zero too, but 0 * NaN would
   // not be); for the ukernel also V packed, pair by pair while the rows are in L1.  The rows are
@@ -427,3 +411,14 @@ c10::optional<bool> packed_layout_matches(int64_t K, int64_t N) {
   }
   return ours == theirs;
 }
+
+#else  // !DSATTN_HAVE_BRGEMM
+
+std::vector<at::Tensor> sparse_attention_forward(const at::Tensor&, const std::vector<at::Tensor>&,
+                                                 const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, double) {
+  TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled attention is not available");
+}
+std::string attention_gemm(const std::string&) { return "unavailable"; }
+c10::optional<bool> packed_layout_matches(int64_t, int64_t) { return c10::nullopt; }
+
+#endif

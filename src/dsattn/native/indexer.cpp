@@ -16,11 +16,15 @@
 
 #include <immintrin.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if DSATTN_HAVE_BRGEMM
 
 namespace {
 
@@ -29,9 +33,8 @@ using at::native::cpublas::brgemm_release;
 using at::native::cpublas::could_pack;
 
 constexpr int64_t CHUNK = 256;  // keys per GEMM (its M)
-constexpr int64_t PANEL = 64;   // a packed B panel is 16..64 columns wide
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+using dsattn_native::PANEL;
+using dsattn_native::round_up;
 
 // out[j] = sum_h w[h] * relu(c[j, h]) over Hp heads (w zero past the real heads); NaN propagates
 // through relu as in torch (max(0, x) returns x when x is NaN).
@@ -169,22 +172,7 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
       best.reset();
       const int64_t count = np[t];
       if (count > 0) {
-        // B = q_t^T [Dp, Hp], zero padded: packed panels [Dp/2][w][2] or plain fp32
-        const scalar_t* qt = qp + t * H * D;
-        for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
-          const int64_t pw = std::min(PANEL, Hp - h0);
-          for (int64_t c_ = 0; c_ < pw; ++c_)               // (reads along q's rows)
-            for (int64_t d = 0; d < Dp; ++d) {
-              const int64_t h = h0 + c_;
-              mm_t x = mm_t(0);
-              if (h < H && d < D) {
-                if constexpr (std::is_same_v<scalar_t, mm_t>) x = qt[h * D + d];     // (no conversion)
-                else x = static_cast<mm_t>(static_cast<float>(qt[h * D + d]));
-              }
-              if constexpr (packed) qb[h0 * Dp + (d / 2) * pw * 2 + 2 * c_ + (d % 2)] = x;
-              else qb[d * Hp + h] = x;
-            }
-        }
+        dsattn_native::pack_query<scalar_t, mm_t>(qp + t * H * D, H, D, Hp, Dp, qb.data());   // B = q_t^T
         std::copy(wp + t * H, wp + (t + 1) * H, wpad.begin());
         for (int64_t j0 = 0; j0 < count;) {
           const int64_t valid = std::min({CHUNK, count - j0, kp.page - j0 % kp.page});   // within one page
@@ -259,3 +247,12 @@ std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys
     TORCH_CHECK(false, "q: dtype ", dt, " is not supported (bf16, fp16, fp32)");
   return {values, indices};
 }
+
+#else  // !DSATTN_HAVE_BRGEMM
+
+std::vector<at::Tensor> indexer_topk(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+                                     const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled indexer is not available");
+}
+
+#endif

@@ -1,6 +1,8 @@
 // Python bindings of the compiled kernel layer (dsattn/native/__init__.py builds and loads it).
 #include <torch/extension.h>
 
+#include "common.h"
+
 torch::Tensor plan_table(int64_t num_heads_q, c10::optional<torch::Tensor> seqused_q,
                          c10::optional<torch::Tensor> cu_seqlens_q, c10::optional<torch::Tensor> seqused_kv,
                          c10::optional<torch::Tensor> cu_seqlens_ori_kv, int64_t batch_size, int64_t max_seqlen_q,
@@ -24,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan_table", &plan_table, "the metadata plan table (spec 50) from CPU int32 length mirrors");
   m.def("sparse_attention_forward", &sparse_attention_forward,
         "fused sparse attention forward over gathered key rows (the golden's rounding points)");
+  m.def("kernels_available", [] { return bool(DSATTN_HAVE_BRGEMM); },
+        "whether this torch exports the batch-reduce GEMM the attention and indexer kernels run on");
   m.def("attention_gemm", &attention_gemm, "which GEMM the forward runs for a query dtype: packed or fp32");
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
   m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys");

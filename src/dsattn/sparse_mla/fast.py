@@ -65,7 +65,7 @@ def native_sources(P: MlaProblem):
     if q.device.type != "cpu" or q.dtype not in NATIVE_DTYPES or uses_flash(q.dtype, q.device):
         return None
     from .. import native
-    module = native.load()
+    module = native.kernels()
     return None if module is None else (module, [src.flat_rows() for src in (P.ori, P.cmp) if src is not None])
 
 
