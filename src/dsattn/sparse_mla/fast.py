@@ -77,7 +77,7 @@ def _native_operands(src, flat, addr, mask):
     rows = src.gather(*addr)                                            # [r, W, D], decoded
     r, w = mask.shape
     index = torch.arange(r * w, device=mask.device).view(r, w)
-    return rows.reshape(r * w, -1).contiguous(), torch.where(mask, index, torch.full((), -1, device=mask.device))
+    return rows.reshape(r * w, rows.size(-1)).contiguous(), torch.where(mask, index, torch.full((), -1, device=mask.device))
 
 
 def _forward_native(P: MlaProblem, module, flat, out, lse) -> None:
