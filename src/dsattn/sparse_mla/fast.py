@@ -89,14 +89,19 @@ def _forward_native(P: MlaProblem, module, flat, out, lse) -> None:
     sinks = None if P.sinks is None else P.sinks.float()
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
-        k = P.keys(t0, t1)
-        parts = [_native_operands(P.ori, flat[0], k.ori_addr, k.ori_mask)]
-        if P.cmp is not None:
-            parts.append(_native_operands(P.cmp, flat[1], k.cmp_addr, k.cmp_mask))
-        o, l = module.sparse_attention_forward(qf[t0:t1].contiguous(), [x for x, _ in parts], [i for _, i in parts],
-                                               sinks, P.scale)
+        o, l = native_rows(P, module, flat, qf, P.keys(t0, t1), t0, t1, sinks)
         out[t0:t1] = o
         lse[t0:t1] = l.to(lse.dtype)
+
+
+def native_rows(P: MlaProblem, module, flat, qf, k, t0: int, t1: int, sinks):
+    """``(out [r, H, D] query dtype, lse [r, H] fp32)`` of flattened rows ``[t0, t1)`` over their keys
+    ``k`` (:meth:`MlaProblem.keys`) through the compiled kernel; ``sinks`` fp32 or None."""
+    parts = [_native_operands(P.ori, flat[0], k.ori_addr, k.ori_mask)]
+    if P.cmp is not None:
+        parts.append(_native_operands(P.cmp, flat[1], k.cmp_addr, k.cmp_mask))
+    return module.sparse_attention_forward(qf[t0:t1].contiguous(), [x for x, _ in parts], [i for _, i in parts],
+                                           sinks, P.scale)
 
 
 def forward(P: MlaProblem, return_softmax_lse: bool):
