@@ -1,6 +1,6 @@
 """The compiled CPU kernels against the golden, beside the PyTorch paths they replace.
 
-Attention forward (dsattn/native/attention.cpp): layouts, ratios, dtypes, paged caches, ragged and
+Attention forward and backward (dsattn/native/attention.cpp): layouts, ratios, dtypes, paged caches, ragged and
 empty rows, -1 padding, NaN in every cache row no index references, odd head counts and head dims.
 Indexer top-k (dsattn/native/indexer.cpp): exact ties in the golden's order over BSND, TND and paged
 keys, and the scores against float64 math."""
@@ -31,7 +31,7 @@ def path(request, monkeypatch):
     else:
         if _module() is None:
             pytest.skip(f"no compiled layer here: {native.status()}")
-        for owner, name in ((fast, "_forward_native"), (indexer_fast, "_native_topk")):
+        for owner, name in ((fast, "_forward_native"), (fast, "_backward_native"), (indexer_fast, "_native_topk")):
             real = getattr(owner, name)
 
             def counted(*a, _real=real, **k):
@@ -58,12 +58,27 @@ def test_forward_equals_golden(path, layout, ratio, dtype, paged):
     assert bool(path[1]) == (path[0] == "native")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("ratio", [1, 4, 128])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_backward_equals_golden(path, layout, ratio, dtype):
+    """Every output of sparse_flash_mla_grad (dq, dori_kv, dcmp_kv, dsinks, the L1 norms)."""
+    case = cases.mla_case(layout, ratio, dtype, seed=torch.randint(0, 2**31 - 1, ()).item())
+    rows = verify.mla_rows(case)
+    assert {r.output for r in rows} >= {"dq", "dori_kv", "dsinks"} | ({"dcmp_kv"} if ratio > 1 else set())
+    bad = [f"{r.case}/{r.output}: {r.result}" for r in rows if not r.result.passed]
+    assert not bad, "\n".join(bad)
+    assert bool(path[1]) == (path[0] == "native")
+
+
 @pytest.mark.parametrize("H, D", [(3, 33), (20, 48), (80, 24)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_forward_odd_heads_and_dims(path, H, D, dtype):
-    """Head counts padded to 16 (and past one 64-head panel), head dims padded to 16 (odd ones too)."""
+def test_odd_heads_and_dims(path, H, D, dtype):
+    """Head counts padded to 16 (and past one 64-head panel), head dims padded to 16 (odd ones too):
+    forward and backward."""
     case = cases.mla_case("TND", 4, dtype, H=H, D=D, seed=torch.randint(0, 2**31 - 1, ()).item())
-    _forward_rows(case)
+    bad = [f"{r.case}/{r.output}: {r.result}" for r in verify.mla_rows(case) if not r.result.passed]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])

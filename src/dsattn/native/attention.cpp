@@ -348,6 +348,238 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
   });
 }
 
+// The element-wise part of the gradient for bf16 operands, rows j < n of S^T / dP^T [n, Hp]:
+// P = exp(scale S - lse) (lse +inf on padded heads: P = 0), dS = bf16(P (dP - Dsum)), round(P),
+// sink_dot[h] += P dP, psum[j] = sum_h P (the head mean's numerator).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void gradient_terms_bf16(const float* __restrict__ s, const float* __restrict__ dp, int64_t n, int64_t Hp, float scale,
+                         const float* __restrict__ lse, const float* __restrict__ dsum, float* __restrict__ ds_f32,
+                         uint16_t* __restrict__ ds_bits, uint16_t* __restrict__ p_bits, float* __restrict__ sink_dot,
+                         float* __restrict__ psum) {
+  for (int64_t j = 0; j < n; ++j) {
+    float acc = 0.0f;
+    for (int64_t h = 0; h < Hp; ++h) {
+      const int64_t at = j * Hp + h;
+      const float pv = exp_nonpositive(scale * s[at] - lse[h]);
+      const uint16_t ds = bf16_bits(pv * (dp[at] - dsum[h]));
+      ds_bits[at] = ds;
+      ds_f32[at] = __builtin_bit_cast(float, uint32_t(ds) << 16);
+      p_bits[at] = bf16_bits(pv);
+      sink_dot[h] += pv * dp[at];
+      acc += pv;
+    }
+    psum[j] = acc;
+  }
+}
+
+// ---- backward (the golden's sparse_flash_mla_grad, dsattn/sparse_mla/ref.py) ----
+//
+// Per query row, over its gathered keys K [n, D] (K = V):
+//   S = scale q K^T, P = exp(S - lse), dP = dO K^T, Dsum = rowsum(dO * O),
+//   dS = round(P (dP - Dsum)) to the query dtype,
+//   dq = scale dS K, dK = scale dS^T q + round(P)^T dO (scattered to the key rows, fp32),
+//   dsinks -= exp(sink - lse) rowsum(P dP) (rows with a key and a finite lse),
+//   pmean[j] = mean over heads of P[:, j] (for the L1-norm outputs).
+// The GEMMs run as in the forward: S^T and dP^T = K [q^T | dO^T]; dq = dS K with K packed by key
+// pairs; dK = dS^T q and round(P)^T dO with q and dO packed by head pairs.  Every product is of
+// half-precision-representable values, summed in fp32: the golden's numerics up to summation order.
+template <typename scalar_t, typename mm_t>
+void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                   const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows, const float* sinks,
+                   double scale_d, at::Tensor& dq, std::vector<at::Tensor>& dsrc, at::Tensor& dsinks, at::Tensor& pmean) {
+  constexpr bool packed = !std::is_same_v<mm_t, float>;
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hp = round_up(H, 16), Dp = round_up(D, 16);
+  const float scale = static_cast<float>(scale_d);
+  int64_t width = 0;
+  for (const auto& r : rows) width += r.size(1);
+  const int64_t npad_max = round_up(std::max<int64_t>(width, 1), KEY_ALIGN);
+  const scalar_t *qp = q.data_ptr<scalar_t>(), *dop = dout.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
+  const float* lp = lse.data_ptr<float>();
+  scalar_t* dqp = dq.data_ptr<scalar_t>();
+  float* pm = pmean.data_ptr<float>();
+  std::vector<const scalar_t*> bases;
+  std::vector<const int64_t*> index;
+  std::vector<int64_t> widths, counts;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    bases.push_back(sources[i].data_ptr<scalar_t>());
+    index.push_back(rows[i].data_ptr<int64_t>());
+    widths.push_back(rows[i].size(1));
+    counts.push_back(sources[i].size(0));
+  }
+  const int threads = at::get_num_threads();
+  // per-thread fp32 accumulators of the key gradients (rows of one key may be hit by several
+  // query rows on different threads) and of dsinks, summed at the end
+  std::vector<std::vector<at::Tensor>> acc(threads);
+  std::vector<at::Tensor> acc_sinks(threads);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    const int tid = at::get_thread_num();
+    auto& my = acc[tid];
+    if (my.empty()) {
+      for (const auto& d : dsrc) my.push_back(at::zeros_like(d));
+      acc_sinks[tid] = at::zeros({H}, dsinks.options());
+    }
+    float* my_sinks = acc_sinks[tid].data_ptr<float>();
+    RowAttention<scalar_t, mm_t> work{H, D, Hp, Dp, scale, sinks};
+    work.reserve(npad_max);
+    std::vector<mm_t> do_b(Dp * Hp), q_pairs(Hp * Dp), do_pairs(Hp * Dp), q_plain(Hp * Dp), do_plain(Hp * Dp),
+        ds_rows(npad_max * Hp), p_rows(npad_max * Hp), ds_t(Hp * npad_max);
+    std::vector<float> dp(npad_max * Hp), dsum(Hp), cq(Hp * Dp), ck(npad_max * Dp), dsf(npad_max * Hp),
+        sink_dot(Hp), lse_pad(Hp), psum(npad_max), scales(Hp, scale);
+    std::vector<const scalar_t*> keys;
+    std::vector<std::pair<int, int64_t>> where;      // (source, row) of each gathered key
+    keys.reserve(width);
+    where.reserve(width);
+    for (int64_t r = r0; r < r1; ++r) {
+      keys.clear();
+      where.clear();
+      for (size_t i = 0; i < bases.size(); ++i) {
+        const int64_t* idx = index[i] + r * widths[i];
+        for (int64_t j = 0; j < widths[i]; ++j)
+          if (idx[j] >= 0) keys.push_back(bases[i] + idx[j] * D), where.emplace_back(int(i), idx[j]);
+      }
+      const int64_t n = static_cast<int64_t>(keys.size());
+      scalar_t* dqr = dqp + r * H * D;
+      float* pmr = pm + r * width;
+      std::fill(pmr, pmr + width, 0.0f);
+      if (n == 0) {
+        std::fill(dqr, dqr + H * D, scalar_t(0));
+        continue;
+      }
+      const int64_t npad = round_up(n, KEY_ALIGN);
+      const scalar_t *qr = qp + r * H * D, *dor = dop + r * H * D, *orow = op + r * H * D;
+      const float* lr = lp + r * H;
+      work.gather(keys, npad);                        // keys [npad, Dp] and, packed, keys by key pairs
+      work.load_query(qr);                            // q^T
+      dsattn_native::pack_query<scalar_t, mm_t>(dor, H, D, Hp, Dp, do_b.data());   // dO^T
+      // S^T = K q^T and dP^T = K dO^T
+      for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
+        const int64_t w = std::min(PANEL, Hp - h0);
+        if constexpr (packed) {
+          brgemm(npad, w, Dp, Dp, w, Hp, false, work.keys, work.q_b + h0 * Dp, work.s + h0, true);
+          brgemm(npad, w, Dp, Dp, w, Hp, false, work.keys, do_b.data() + h0 * Dp, dp.data() + h0, true);
+        } else {
+          brgemm(npad, w, Dp, Dp, Hp, Hp, false, work.keys, work.q_b + h0, work.s + h0, false);
+          brgemm(npad, w, Dp, Dp, Hp, Hp, false, work.keys, do_b.data() + h0, dp.data() + h0, false);
+        }
+      }
+      for (int64_t h = 0; h < Hp; ++h) {             // Dsum = rowsum(dO * O)
+        float acc_d = 0.0f;
+        if (h < H)
+          for (int64_t d = 0; d < D; ++d) acc_d += static_cast<float>(dor[h * D + d]) * static_cast<float>(orow[h * D + d]);
+        dsum[h] = acc_d;
+      }
+      std::fill(sink_dot.begin(), sink_dot.end(), 0.0f);
+      if constexpr (std::is_same_v<mm_t, at::BFloat16>) {
+        for (int64_t h = 0; h < Hp; ++h) lse_pad[h] = h < H ? lr[h] : std::numeric_limits<float>::infinity();
+        gradient_terms_bf16(work.s, dp.data(), n, Hp, scale, lse_pad.data(), dsum.data(), dsf.data(),
+                            reinterpret_cast<uint16_t*>(ds_rows.data()), reinterpret_cast<uint16_t*>(p_rows.data()),
+                            sink_dot.data(), psum.data());
+        for (int64_t j = 0; j < n; ++j) pmr[j] = psum[j] / static_cast<float>(H);
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          float acc_p = 0.0f;
+          for (int64_t h = 0; h < Hp; ++h) {
+            float pv = 0.0f, dsv = 0.0f, pr = 0.0f;
+            if (h < H) {
+              pv = std::exp(scale * work.s[j * Hp + h] - lr[h]);
+              const float dpv = dp[j * Hp + h];
+              dsv = static_cast<float>(static_cast<scalar_t>(pv * (dpv - dsum[h])));   // round to the query dtype
+              pr = static_cast<float>(static_cast<scalar_t>(pv));
+              sink_dot[h] += pv * dpv;
+              acc_p += pv;
+            }
+            dsf[j * Hp + h] = dsv;
+            ds_rows[j * Hp + h] = static_cast<mm_t>(dsv);
+            p_rows[j * Hp + h] = static_cast<mm_t>(pr);
+          }
+          pmr[j] = acc_p / static_cast<float>(H);
+        }
+      }
+      std::fill(ds_rows.begin() + n * Hp, ds_rows.begin() + npad * Hp, mm_t(0));   // padded keys: no gradient
+      std::fill(p_rows.begin() + n * Hp, p_rows.begin() + npad * Hp, mm_t(0));
+      if (sinks != nullptr)
+        for (int64_t h = 0; h < H; ++h)
+          if (std::isfinite(lr[h])) my_sinks[h] -= std::exp(sinks[h] - lr[h]) * sink_dot[h];
+      // dq = scale dS K   (A = dS [Hp, npad], B = K by key pairs / plain)
+      if constexpr (std::is_same_v<mm_t, at::BFloat16>) {
+        p_from_scores_bf16(dsf.data(), n, npad, Hp, reinterpret_cast<uint16_t*>(ds_t.data()));   // (exact: bf16 values)
+      } else {
+        for (int64_t h = 0; h < Hp; ++h)
+          for (int64_t j = 0; j < npad; ++j) ds_t[h * npad + j] = j < n ? ds_rows[j * Hp + h] : mm_t(0);
+      }
+      for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
+        const int64_t w = std::min(PANEL, Dp - d0);
+        if constexpr (packed)
+          brgemm(Hp, w, npad, npad, w, Dp, false, ds_t.data(), work.v_packed + d0 * npad, cq.data() + d0, true);
+        else
+          brgemm(Hp, w, npad, npad, Dp, Dp, false, ds_t.data(), work.keys + d0, cq.data() + d0, false);
+      }
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        normalize_bf16(cq.data(), Dp, scales.data(), H, D, reinterpret_cast<uint16_t*>(dqr));   // bf16(scale * cq)
+      } else {
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < D; ++d) dqr[h * D + d] = static_cast<scalar_t>(scale * cq[h * Dp + d]);
+      }
+      // dK = scale dS^T q + round(P)^T dO   (B = q, dO [Hp, Dp], by head pairs / plain)
+      for (int64_t h = 0; h < Hp; ++h)
+        for (int64_t d = 0; d < Dp; ++d) {
+          const bool in = h < H && d < D;
+          if constexpr (std::is_same_v<scalar_t, mm_t>) {
+            q_plain[h * Dp + d] = in ? qr[h * D + d] : mm_t(0);
+            do_plain[h * Dp + d] = in ? dor[h * D + d] : mm_t(0);
+          } else {
+            q_plain[h * Dp + d] = in ? static_cast<mm_t>(static_cast<float>(qr[h * D + d])) : mm_t(0);
+            do_plain[h * Dp + d] = in ? static_cast<mm_t>(static_cast<float>(dor[h * D + d])) : mm_t(0);
+          }
+        }
+      if constexpr (packed)
+        for (int64_t i = 0; i < Hp / 2; ++i) {
+          pack_pair(reinterpret_cast<const uint16_t*>(q_plain.data() + 2 * i * Dp),
+                    reinterpret_cast<const uint16_t*>(q_plain.data() + (2 * i + 1) * Dp), Dp, Hp, i,
+                    reinterpret_cast<uint16_t*>(q_pairs.data()));
+          pack_pair(reinterpret_cast<const uint16_t*>(do_plain.data() + 2 * i * Dp),
+                    reinterpret_cast<const uint16_t*>(do_plain.data() + (2 * i + 1) * Dp), Dp, Hp, i,
+                    reinterpret_cast<uint16_t*>(do_pairs.data()));
+        }
+      for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
+        const int64_t w = std::min(PANEL, Dp - d0);
+        if constexpr (packed)
+          brgemm(npad, w, Hp, Hp, w, Dp, false, ds_rows.data(), q_pairs.data() + d0 * Hp, ck.data() + d0, true);
+        else
+          brgemm(npad, w, Hp, Hp, Dp, Dp, false, ds_rows.data(), q_plain.data() + d0, ck.data() + d0, false);
+      }
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < Dp; ++d) ck[j * Dp + d] *= scale;
+      for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
+        const int64_t w = std::min(PANEL, Dp - d0);
+        if constexpr (packed)
+          brgemm(npad, w, Hp, Hp, w, Dp, true, p_rows.data(), do_pairs.data() + d0 * Hp, ck.data() + d0, true);
+        else
+          brgemm(npad, w, Hp, Hp, Dp, Dp, true, p_rows.data(), do_plain.data() + d0, ck.data() + d0, false);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        float* dst = my[where[j].first].data_ptr<float>() + where[j].second * D;
+        const float* src = ck.data() + j * Dp;
+        for (int64_t d = 0; d < D; ++d) dst[d] += src[d];
+      }
+      // pmean is per key slot of the row's index tables: spread the gathered order back
+      int64_t g = n;
+      for (int64_t i = static_cast<int64_t>(bases.size()) - 1, col = width; i >= 0; --i) {
+        col -= widths[i];
+        const int64_t* idx = index[i] + r * widths[i];
+        for (int64_t j = widths[i] - 1; j >= 0; --j) pmr[col + j] = idx[j] >= 0 ? pmr[--g] : 0.0f;
+      }
+    }
+    if constexpr (packed) brgemm_release(true);
+  });
+  for (int t = 0; t < threads; ++t) {
+    if (acc[t].empty()) continue;
+    for (size_t i = 0; i < dsrc.size(); ++i) dsrc[i].add_(acc[t][i]);
+    dsinks.add_(acc_sinks[t]);
+  }
+}
+
 }  // namespace
 
 // out [R, H, D] (q's dtype) and lse [R, H] (fp32) of the rows of q [R, H, D] over the key rows
@@ -390,6 +622,65 @@ std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std:
   return {out, lse};
 }
 
+// Gradients of the forward above: (dq [R, H, D] q's dtype, dsources: one fp32 [N_i, D] per source,
+// dsinks [H] fp32 (zeros without sinks), pmean [R, W] fp32: P averaged over heads per index slot).
+std::vector<at::Tensor> sparse_attention_backward(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out,
+                                                  const at::Tensor& lse, const std::vector<at::Tensor>& sources,
+                                                  const std::vector<at::Tensor>& rows,
+                                                  const c10::optional<at::Tensor>& sinks, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q: expected a contiguous CPU [R, H, D] tensor");
+  for (const auto* t : {&dout, &out})
+    TORCH_CHECK(t->sizes() == q.sizes() && t->scalar_type() == q.scalar_type() && t->is_contiguous(),
+                "dout, out: expected contiguous tensors shaped and typed like q");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == R && lse.size(1) == H && lse.scalar_type() == at::kFloat && lse.is_contiguous(),
+              "lse: expected a contiguous fp32 [R, H] tensor");
+  TORCH_CHECK(sources.size() == rows.size(), "sources and rows: one index table per source");
+  int64_t width = 0;
+  std::vector<at::Tensor> dsrc;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    TORCH_CHECK(sources[i].dim() == 2 && sources[i].size(1) == D && sources[i].is_contiguous() &&
+                    sources[i].scalar_type() == q.scalar_type(),
+                "sources[", i, "]: expected a contiguous [N, D] tensor of q's dtype");
+    TORCH_CHECK(rows[i].dim() == 2 && rows[i].size(0) == R && rows[i].scalar_type() == at::kLong && rows[i].is_contiguous(),
+                "rows[", i, "]: expected a contiguous int64 [R, W] tensor");
+    const int64_t* idx = rows[i].data_ptr<int64_t>();
+    for (int64_t k = 0; k < rows[i].numel(); ++k)
+      TORCH_CHECK_INDEX(idx[k] < sources[i].size(0), "rows[", i, "]: key row ", idx[k], " is out of range [0, ",
+                        sources[i].size(0), ")");
+    width += rows[i].size(1);
+    dsrc.push_back(at::zeros({sources[i].size(0), D}, q.options().dtype(at::kFloat)));
+  }
+  const float* sink_ptr = nullptr;
+  at::Tensor sinks_f;
+  if (sinks.has_value()) {
+    sinks_f = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks_f.numel() == H, "sinks: expected [H]");
+    sink_ptr = sinks_f.data_ptr<float>();
+  }
+  auto dq = at::empty_like(q);
+  auto dsinks = at::zeros({H}, q.options().dtype(at::kFloat));
+  auto pmean = at::empty({R, width}, q.options().dtype(at::kFloat));
+  const auto dt = q.scalar_type();
+  if (dt == at::kBFloat16 && could_pack(dt))
+    backward_rows<at::BFloat16, at::BFloat16>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
+  else if (dt == at::kBFloat16)
+    backward_rows<at::BFloat16, float>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
+  else if (dt == at::kHalf && could_pack(dt))
+    backward_rows<at::Half, at::Half>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
+  else if (dt == at::kHalf)
+    backward_rows<at::Half, float>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
+  else if (dt == at::kFloat)
+    backward_rows<float, float>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
+  else
+    TORCH_CHECK(false, "q: dtype ", dt, " is not supported (bf16, fp16, fp32)");
+  std::vector<at::Tensor> result{dq};
+  result.insert(result.end(), dsrc.begin(), dsrc.end());
+  result.push_back(dsinks);
+  result.push_back(pmean);
+  return result;
+}
+
 // Which GEMM the forward uses for a query dtype: "packed" (native half-precision products) or "fp32".
 std::string attention_gemm(const std::string& dtype) {
   const auto dt = dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf : at::kFloat;
@@ -416,6 +707,12 @@ c10::optional<bool> packed_layout_matches(int64_t K, int64_t N) {
 
 std::vector<at::Tensor> sparse_attention_forward(const at::Tensor&, const std::vector<at::Tensor>&,
                                                  const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, double) {
+  TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled attention is not available");
+}
+std::vector<at::Tensor> sparse_attention_backward(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&, const std::vector<at::Tensor>&,
+                                                  const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&,
+                                                  double) {
   TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled attention is not available");
 }
 std::string attention_gemm(const std::string&) { return "unavailable"; }

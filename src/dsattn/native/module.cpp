@@ -15,6 +15,11 @@ torch::Tensor plan_lengths(int64_t num_heads_q, std::vector<int64_t> S1, std::ve
 std::vector<torch::Tensor> sparse_attention_forward(const torch::Tensor& q, const std::vector<torch::Tensor>& sources,
                                                     const std::vector<torch::Tensor>& rows,
                                                     const c10::optional<torch::Tensor>& sinks, double scale);
+std::vector<torch::Tensor> sparse_attention_backward(const torch::Tensor& q, const torch::Tensor& dout,
+                                                     const torch::Tensor& out, const torch::Tensor& lse,
+                                                     const std::vector<torch::Tensor>& sources,
+                                                     const std::vector<torch::Tensor>& rows,
+                                                     const c10::optional<torch::Tensor>& sinks, double scale);
 std::string attention_gemm(const std::string& dtype);
 c10::optional<bool> packed_layout_matches(int64_t K, int64_t N);
 std::vector<torch::Tensor> indexer_topk(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& pages,
@@ -26,6 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan_table", &plan_table, "the metadata plan table (spec 50) from CPU int32 length mirrors");
   m.def("sparse_attention_forward", &sparse_attention_forward,
         "fused sparse attention forward over gathered key rows (the golden's rounding points)");
+  m.def("sparse_attention_backward", &sparse_attention_backward,
+        "gradients of the fused sparse attention: dq, the key rows' fp32 gradients, dsinks, P's head mean");
   m.def("kernels_available", [] { return bool(DSATTN_HAVE_BRGEMM); },
         "whether this torch exports the batch-reduce GEMM the attention and indexer kernels run on");
   m.def("attention_gemm", &attention_gemm, "which GEMM the forward runs for a query dtype: packed or fp32");

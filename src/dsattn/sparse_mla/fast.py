@@ -179,6 +179,9 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
     rows = P.rows
     qf, dof, of = rows.flat(q), rows.flat(dout), rows.flat(attn_out)
     lse_rows = lse_to_rows(softmax_lse, rows)
+    native = native_sources(P)
+    if native is not None and all(f is not None for f in native[1]):
+        return _backward_native(P, *native, qf, dof, of, lse_rows)
     R, H, D = qf.shape
     Wo = P.ori_width
     dq = torch.empty(R, H, D, dtype=q.dtype, device=dev)
@@ -217,6 +220,37 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
             has_key = (ok & mask.any(-1))[:, None] & torch.isfinite(lse)   # rows with a key and a finite LSE
             dsinks -= torch.where(has_key, g, torch.zeros((), dtype=cdt, device=dev)).sum(0)
         l1_outputs(P, k, Pm.mean(1), t0, t1, cmp_l1, ori_l1)
+    return grad_results(P, dq, dori, dcmp, dsinks if sinks is not None else None, ori_l1, cmp_l1)
+
+
+def _backward_native(P: MlaProblem, module, flat, qf, dof, of, lse_rows) -> tuple:
+    """The gradient through the compiled kernel (dsattn/native/attention.cpp), rows in blocks: it
+    returns dq, the key rows' fp32 gradients and P's head mean per index slot (for the L1 norms)."""
+    q, dev = P.q, P.q.device
+    R, sdt = qf.size(0), stat_dtype(q)
+    dq = torch.empty_like(qf)
+    grads = [torch.zeros(f.shape, dtype=torch.float32, device=dev) for f in flat]
+    dsinks = torch.zeros(q.size(-2), dtype=torch.float32, device=dev)
+    sinks = None if P.sinks is None else P.sinks.float()
+    cmp_l1 = torch.zeros(R, P.cmp_idx.size(1), dtype=sdt, device=dev) if P.cmp_idx is not None else None
+    ori_l1 = torch.zeros(R, P.ori_idx.size(1), dtype=sdt, device=dev) if P.ori_idx is not None else None
+    step = max(1, min(R, (32 << 20) // (max(1, P.ori_width + P.cmp_width) * 24)))
+    for t0 in range(0, R, step):
+        t1 = min(R, t0 + step)
+        k = P.keys(t0, t1)
+        parts = [_native_operands(P.ori, flat[0], k.ori_addr, k.ori_mask)]
+        if P.cmp is not None:
+            parts.append(_native_operands(P.cmp, flat[1], k.cmp_addr, k.cmp_mask))
+        res = module.sparse_attention_backward(qf[t0:t1].contiguous(), dof[t0:t1].contiguous(), of[t0:t1].contiguous(),
+                                               lse_rows[t0:t1].float().contiguous(), [x for x, _ in parts],
+                                               [i for _, i in parts], sinks, P.scale)
+        dq[t0:t1] = res[0]
+        for g, part in zip(grads, res[1:1 + len(parts)]):
+            g += part
+        dsinks += res[-2]
+        l1_outputs(P, k, res[-1], t0, t1, cmp_l1, ori_l1)
+    dori = grads[0].view(P.ori.tensor.shape)
+    dcmp = grads[1].view(P.cmp.tensor.shape) if P.cmp is not None else None
     return grad_results(P, dq, dori, dcmp, dsinks if sinks is not None else None, ori_l1, cmp_l1)
 
 
