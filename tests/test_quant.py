@@ -66,7 +66,9 @@ def test_round_trip_error_bounds(dst, gen):
     step = s.repeat_interleave(128, -1)
     err = (xh - x).abs()
     if dst == "int8":
-        assert (err <= 0.5 * step * (1 + 1e-6)).all()          # half a quantisation step
+        # half a quantisation step, plus the fp32 roundings of x / s and of y * s (each at most
+        # 2^-24 relative to |x|: a value within that of a half step may round either way)
+        assert (err <= 0.5 * step + x.abs() * 2 ** -23).all()
         assert (y.view(torch.int8) != -128).all()
     else:
         t = (x / step).abs()

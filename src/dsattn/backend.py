@@ -67,7 +67,8 @@ def describe() -> str:
              "CPU indexer: " + ("compiled (dsattn/native/indexer.cpp): scores and a running top-k per row over its "
                                 "keys in place (BSND, TND, paged)" if native.kernels() is not None else
                                 "vectorised PyTorch"),
-             "CPU backward: vectorised PyTorch",
+             "CPU attention backward: " + ("compiled (dsattn/native/attention.cpp), the same GEMM dispatch"
+                                           if native.kernels() is not None else "vectorised PyTorch"),
              f"metadata planner: {native.status()}"
              + ("" if native.load() is not None else "; the NumPy fast planner runs")]
     return "\n".join(lines)

@@ -147,4 +147,4 @@ def status() -> str:
     module = load()
     if module is None:
         return f"native: unavailable ({_state.get('error')}): PyTorch / NumPy paths"
-    return "native: loaded (C++ planner, CPU attention forward, CPU indexer)"
+    return "native: loaded (C++ planner, CPU attention forward and backward, CPU indexer)"
