@@ -27,6 +27,17 @@ def pytest_sessionstart(session):
 
 
 @pytest.fixture
+def native_module():
+    """The compiled layer where this machine builds it (a C++ compiler is present: a failed build is a
+    failure, not a skip); None with DSATTN_NATIVE=0 or without a compiler."""
+    from dsattn import native
+    module = native.load()
+    if module is None and native.requested() and native.compiler_available():
+        pytest.fail(f"the native layer did not build: {native.status()}")
+    return module
+
+
+@pytest.fixture
 def gen():
     """A generator seeded fresh per test (inputs differ between runs, reproducible from the seed)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())

@@ -14,22 +14,15 @@ from dsattn.sparse_mla import fast
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-def _module():
-    module = native.load()
-    if module is None and native.requested() and native.compiler_available():
-        pytest.fail(f"the native layer did not build: {native.status()}")
-    return module
-
-
 @pytest.fixture(params=["native", "torch"])
-def path(request, monkeypatch):
+def path(request, monkeypatch, native_module):
     """Which CPU forward runs; 'native' also counts the compiled calls so a test sees it ran."""
     calls = []
     if request.param == "torch":
         monkeypatch.setattr(fast, "native_sources", lambda P: None)
         monkeypatch.setattr(indexer_fast, "native_indexer", lambda P: None)
     else:
-        if _module() is None:
+        if native_module is None:
             pytest.skip(f"no compiled layer here: {native.status()}")
         for owner, name in ((fast, "_forward_native"), (fast, "_backward_native"), (indexer_fast, "_native_topk")):
             real = getattr(owner, name)
@@ -101,8 +94,8 @@ def test_forward_infinite_sinks(path, sink):
     assert not torch.isnan(out[used]).any()
 
 
-def test_packed_layout_is_the_ukernels():
-    module = _module()
+def test_packed_layout_is_the_ukernels(native_module):
+    module = native_module
     if module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
     for K, N in [(64, 512), (640, 64), (2, 16), (130, 48)]:
@@ -112,8 +105,8 @@ def test_packed_layout_is_the_ukernels():
         assert same, (K, N)
 
 
-def test_native_rejects_rows_out_of_range():
-    module = _module()
+def test_native_rejects_rows_out_of_range(native_module):
+    module = native_module
     if module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
     q = torch.randn(2, 4, 32).bfloat16()
@@ -143,10 +136,10 @@ def test_indexer_exact_ties_in_the_golden_order(path, layout, paged, dtype):
 @pytest.mark.parametrize("R, H, D, N, page", [(5, 3, 33, 300, 300), (2, 80, 16, 64, 7), (7, 64, 128, 600, 64),
                                               (1, 4, 8, 1, 1)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_indexer_topk_against_float64(R, H, D, N, page, dtype):
+def test_indexer_topk_against_float64(R, H, D, N, page, dtype, native_module):
     """topk = every key: the kernel's values are each row's scores in order, against float64 math;
     keys reached through pages of ``page`` rows laid out in reverse, the unused rows NaN."""
-    module = _module()
+    module = native_module
     if module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
     P = -(-N // page)
@@ -170,8 +163,8 @@ def test_indexer_topk_against_float64(R, H, D, N, page, dtype):
         assert torch.isneginf(vals[t, m:]).all()
 
 
-def test_indexer_topk_rejects_pages_out_of_range():
-    module = _module()
+def test_indexer_topk_rejects_pages_out_of_range(native_module):
+    module = native_module
     if module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
     q, keys, w = torch.randn(1, 4, 16).bfloat16(), torch.randn(10, 16).bfloat16(), torch.rand(1, 4)

@@ -166,29 +166,20 @@ def random_workload(rng: random.Random) -> dict:
                 support_fd=support_fd, ori_mask_mode=mode, ori_win_left=rng.choice([127, 127, 5, -1]), **kw)
 
 
-def _native_module():
-    """The compiled layer where this machine builds it (a C++ compiler is present: a failed build is a
-    failure, not a skip); None with DSATTN_NATIVE=0 or without a compiler."""
-    module = native.load()
-    if module is None and native.requested() and native.compiler_available():
-        pytest.fail(f"the native layer did not build: {native.status()}")
-    return module
-
-
 @pytest.fixture(params=["numpy", "native"])
-def planner_path(request, monkeypatch):
+def planner_path(request, monkeypatch, native_module):
     """Run a test through the NumPy fast planner (DSATTN_NATIVE=0) and through the compiled one."""
     if request.param == "numpy":
         monkeypatch.setenv("DSATTN_NATIVE", "0")
-    elif _native_module() is None:
+    elif native_module is None:
         pytest.skip(f"no compiled planner here: {native.status()}")
     return request.param
 
 
 @pytest.mark.parametrize("chunk", range(8))
-def test_fast_and_native_equal_golden_on_1000_random_workloads(chunk):
+def test_fast_and_native_equal_golden_on_1000_random_workloads(chunk, native_module):
     """The NumPy fast planner and the compiled one (when this machine builds it) against the golden."""
-    module = _native_module()
+    module = native_module
     rng = random.Random(1000 + chunk)
     for n in range(125):
         kw = random_workload(rng)
@@ -290,9 +281,9 @@ def test_plan_cli_and_plot(tmp_path, capsys):
                                   dict(cu_seqlens_q=i32([])), dict(seqused_kv=i32([5, -1])),
                                   dict(seqused_kv=i32([5])), dict(batch_size=3)],
                          ids=["decreasing", "negative-start", "empty", "negative-kv", "short-kv", "batch"])
-def test_native_and_numpy_planners_reject_lengths_alike(over, monkeypatch):
+def test_native_and_numpy_planners_reject_lengths_alike(over, monkeypatch, native_module):
     """The compiled planner resolves the length mirrors itself: same exception type and message."""
-    if _native_module() is None:
+    if native_module is None:
         pytest.skip(f"no compiled planner here: {native.status()}")
     kw = dict(**BASE, cu_seqlens_q=cu([3, 2]), seqused_kv=i32([5, 9]), cmp_ratio=4, cmp_topk=512)
     kw.update(over)

@@ -533,31 +533,25 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
             do_plain[h * Dp + d] = in ? static_cast<mm_t>(static_cast<float>(dor[h * D + d])) : mm_t(0);
           }
         }
-      if constexpr (packed)
-        for (int64_t i = 0; i < Hp / 2; ++i) {
-          pack_pair(reinterpret_cast<const uint16_t*>(q_plain.data() + 2 * i * Dp),
-                    reinterpret_cast<const uint16_t*>(q_plain.data() + (2 * i + 1) * Dp), Dp, Hp, i,
-                    reinterpret_cast<uint16_t*>(q_pairs.data()));
-          pack_pair(reinterpret_cast<const uint16_t*>(do_plain.data() + 2 * i * Dp),
-                    reinterpret_cast<const uint16_t*>(do_plain.data() + (2 * i + 1) * Dp), Dp, Hp, i,
-                    reinterpret_cast<uint16_t*>(do_pairs.data()));
-        }
-      for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
-        const int64_t w = std::min(PANEL, Dp - d0);
+      // C[:, panel] (+)= A [npad, Hp] x B [Hp, Dp], B packed by head pairs first (16-bit operands)
+      auto dk_gemm = [&](const mm_t* a, std::vector<mm_t>& b_plain, std::vector<mm_t>& b_pairs, bool add) {
         if constexpr (packed)
-          brgemm(npad, w, Hp, Hp, w, Dp, false, ds_rows.data(), q_pairs.data() + d0 * Hp, ck.data() + d0, true);
-        else
-          brgemm(npad, w, Hp, Hp, Dp, Dp, false, ds_rows.data(), q_plain.data() + d0, ck.data() + d0, false);
-      }
+          for (int64_t i = 0; i < Hp / 2; ++i)
+            pack_pair(reinterpret_cast<const uint16_t*>(b_plain.data() + 2 * i * Dp),
+                      reinterpret_cast<const uint16_t*>(b_plain.data() + (2 * i + 1) * Dp), Dp, Hp, i,
+                      reinterpret_cast<uint16_t*>(b_pairs.data()));
+        for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
+          const int64_t w = std::min(PANEL, Dp - d0);
+          if constexpr (packed)
+            brgemm(npad, w, Hp, Hp, w, Dp, add, a, b_pairs.data() + d0 * Hp, ck.data() + d0, true);
+          else
+            brgemm(npad, w, Hp, Hp, Dp, Dp, add, a, b_plain.data() + d0, ck.data() + d0, false);
+        }
+      };
+      dk_gemm(ds_rows.data(), q_plain, q_pairs, false);          // dS^T q, then scaled as the golden does
       for (int64_t j = 0; j < n; ++j)
         for (int64_t d = 0; d < Dp; ++d) ck[j * Dp + d] *= scale;
-      for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
-        const int64_t w = std::min(PANEL, Dp - d0);
-        if constexpr (packed)
-          brgemm(npad, w, Hp, Hp, w, Dp, true, p_rows.data(), do_pairs.data() + d0 * Hp, ck.data() + d0, true);
-        else
-          brgemm(npad, w, Hp, Hp, Dp, Dp, true, p_rows.data(), do_plain.data() + d0, ck.data() + d0, false);
-      }
+      dk_gemm(p_rows.data(), do_plain, do_pairs, true);          // + round(P)^T dO
       for (int64_t j = 0; j < n; ++j) {
         float* dst = my[where[j].first].data_ptr<float>() + where[j].second * D;
         const float* src = ck.data() + j * Dp;
