@@ -102,13 +102,19 @@ def backward(smoke=False, results=None):
     L = 256 if smoke else 4096
     q, kw, flops = workloads.prefill(L, ratio=4)
     dout = torch.randn(q.shape).bfloat16() * 0.1
-    o, lse = ops.sparse_flash_mla(q, return_softmax_lse=True, **kw)
-    t_f = timeit(lambda: ops.sparse_flash_mla(q, return_softmax_lse=True, **kw), repeat=1)
-    t_b = timeit(lambda: ops.sparse_flash_mla_grad(q, dout, o, lse, **kw), repeat=1)
-    # backward FLOPs: recompute S (1 GEMM), dP, dQ, dK, dV: 5 GEMMs of the forward's per-GEMM size
-    results.append(Result("backward", f"CSA training step {L // 1024 or L}{'K' if L >= 1024 else ''} tokens",
-                          "dsattn fwd + grad", t_f + t_b, flops * 3.5 / 1e9,
-                          note=f"forward {t_f:.2f} s, grad {t_b:.2f} s; FLOPs = forward x 3.5"))
+    name = f"CSA training step {L // 1024 or L}{'K' if L >= 1024 else ''} tokens"
+
+    def step(variant):
+        o, lse = ops.sparse_flash_mla(q, return_softmax_lse=True, **kw)
+        t_f = timeit(lambda: ops.sparse_flash_mla(q, return_softmax_lse=True, **kw), repeat=1)
+        t_b = timeit(lambda: ops.sparse_flash_mla_grad(q, dout, o, lse, **kw), repeat=1)
+        # backward FLOPs: recompute S (1 GEMM), dP, dQ, dK, dV: 5 GEMMs of the forward's per-GEMM size
+        results.append(Result("backward", name, variant, t_f + t_b, flops * 3.5 / 1e9,
+                              note=f"forward {t_f:.2f} s, grad {t_b:.2f} s; FLOPs = forward x 3.5"))
+    step("dsattn fwd + grad")
+    if native.kernels() is not None and not smoke:      # the PyTorch path the compiled kernels replace
+        with native.suspended():
+            step("PyTorch path (DSATTN_NATIVE=0)")
     return results
 
 

@@ -1,6 +1,9 @@
 """Vectorised PyTorch kernels of the indexer operators, for any torch device.
 
-``lightning_indexer`` on the CPU scores the rows of one request against their shared keys with
+``lightning_indexer`` on the CPU takes the compiled kernel where it is built (:func:`native_indexer`:
+dsattn/native/indexer.cpp scores every row against its request's keys in place, BSND / TND / paged,
+and keeps a running top-k in the golden's order; no host reads).  Without it, the CPU path scores
+the rows of one request against their shared keys with
 one GEMM per key block and keeps a running top-k (:func:`_shared_key_indexer`: memory bounded
 whatever the context); it reads the lengths on the host, so it runs where content checks are on
 (host reads allowed).  On other devices, and in steps that forbid host reads, query rows are
