@@ -229,8 +229,11 @@ class KVSource:
 
     def flat_index(self, i0: torch.Tensor, i1: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Row numbers of physical addresses in :meth:`flat_rows`, ``-1`` where ``mask`` is False."""
-        idx = i1 if self.layout == "TND" else i0 * self.tensor.size(1) + i1
+        idx = self._flat(i0, i1)
         return torch.where(mask, idx, torch.full((), -1, dtype=idx.dtype, device=idx.device))
+
+    def _flat(self, i0: torch.Tensor, i1: torch.Tensor) -> torch.Tensor:
+        return i1 if self.layout == "TND" else i0 * self.tensor.size(1) + i1
 
     def pages(self) -> tuple[torch.Tensor, int]:
         """``(starts [B, P] int64, page)``: key ``j`` of batch ``b`` is row ``starts[b, j // page] +
@@ -247,7 +250,7 @@ class KVSource:
         """``grad`` (shaped like the KV tensor, fp32) += values at (i0, i1), as one ``index_add_``
         over the flattened rows (faster on the CPU than an accumulating ``index_put_``)."""
         flat = grad.view(-1, grad.size(-1))
-        idx = i1.reshape(-1) if self.layout == "TND" else (i0 * grad.size(1) + i1).reshape(-1)
+        idx = self._flat(i0, i1).reshape(-1)                      # (grad is shaped like the tensor)
         flat.index_add_(0, idx, values.reshape(-1, values.size(-1)))
 
     def row(self, b: int, x: int) -> torch.Tensor:

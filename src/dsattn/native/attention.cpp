@@ -316,19 +316,12 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
   scalar_t* op = out.data_ptr<scalar_t>();
   float* lp = lse.data_ptr<float>();
   std::vector<const scalar_t*> bases;
-  std::vector<int64_t> counts;
   std::vector<const int64_t*> index;
   std::vector<int64_t> widths;
   for (size_t i = 0; i < sources.size(); ++i) {
     bases.push_back(sources[i].data_ptr<scalar_t>());
-    counts.push_back(sources[i].size(0));
     index.push_back(rows[i].data_ptr<int64_t>());
     widths.push_back(rows[i].size(1));
-  }
-  for (size_t i = 0; i < sources.size(); ++i) {      // every read below is in range
-    const int64_t* idx = index[i];
-    for (int64_t k = 0; k < R * widths[i]; ++k)
-      TORCH_CHECK_INDEX(idx[k] < counts[i], "rows[", i, "]: key row ", idx[k], " is out of range [0, ", counts[i], ")");
   }
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     RowAttention<scalar_t, mm_t> work{H, D, round_up(H, 16), round_up(D, 16), static_cast<float>(scale), sinks};
@@ -400,12 +393,11 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
   float* pm = pmean.data_ptr<float>();
   std::vector<const scalar_t*> bases;
   std::vector<const int64_t*> index;
-  std::vector<int64_t> widths, counts;
+  std::vector<int64_t> widths;
   for (size_t i = 0; i < sources.size(); ++i) {
     bases.push_back(sources[i].data_ptr<scalar_t>());
     index.push_back(rows[i].data_ptr<int64_t>());
     widths.push_back(rows[i].size(1));
-    counts.push_back(sources[i].size(0));
   }
   const int threads = at::get_num_threads();
   // per-thread fp32 accumulators of the key gradients (rows of one key may be hit by several
@@ -576,28 +568,46 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
 
 }  // namespace
 
-// out [R, H, D] (q's dtype) and lse [R, H] (fp32) of the rows of q [R, H, D] over the key rows
-// sources[i][rows[i][r, j]] (rows: int64 [R, W_i], -1 = no key), with the sink sinks [H] (fp32).
-std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std::vector<at::Tensor>& sources,
-                                                 const std::vector<at::Tensor>& rows,
-                                                 const c10::optional<at::Tensor>& sinks, double scale) {
+namespace {
+
+// The checks both entry points share: q [R, H, D], each source [N_i, D] in q's dtype, each index
+// table int64 [R, W_i] whose entries are -1 or a row of its source (every read is in range).
+void check_operands(const at::Tensor& q, const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q: expected a contiguous CPU [R, H, D] tensor");
   TORCH_CHECK(sources.size() == rows.size(), "sources and rows: one index table per source");
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t R = q.size(0), D = q.size(2);
   for (size_t i = 0; i < sources.size(); ++i) {
     TORCH_CHECK(sources[i].dim() == 2 && sources[i].size(1) == D && sources[i].is_contiguous() &&
                     sources[i].scalar_type() == q.scalar_type(),
                 "sources[", i, "]: expected a contiguous [N, D] tensor of q's dtype");
     TORCH_CHECK(rows[i].dim() == 2 && rows[i].size(0) == R && rows[i].scalar_type() == at::kLong && rows[i].is_contiguous(),
                 "rows[", i, "]: expected a contiguous int64 [R, W] tensor");
+    const int64_t* idx = rows[i].data_ptr<int64_t>();
+    for (int64_t k = 0; k < rows[i].numel(); ++k)
+      TORCH_CHECK_INDEX(idx[k] < sources[i].size(0), "rows[", i, "]: key row ", idx[k], " is out of range [0, ",
+                        sources[i].size(0), ")");
   }
-  const float* sink_ptr = nullptr;
+}
+
+// The sinks as fp32 [H] (held by ``holder``), or null without them.
+const float* sink_values(const c10::optional<at::Tensor>& sinks, int64_t H, at::Tensor& holder) {
+  if (!sinks.has_value()) return nullptr;
+  holder = sinks->to(at::kFloat).contiguous();
+  TORCH_CHECK(holder.numel() == H, "sinks: expected [H]");
+  return holder.data_ptr<float>();
+}
+
+}  // namespace
+
+// out [R, H, D] (q's dtype) and lse [R, H] (fp32) of the rows of q [R, H, D] over the key rows
+// sources[i][rows[i][r, j]] (rows: int64 [R, W_i], -1 = no key), with the sink sinks [H] (fp32).
+std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std::vector<at::Tensor>& sources,
+                                                 const std::vector<at::Tensor>& rows,
+                                                 const c10::optional<at::Tensor>& sinks, double scale) {
+  check_operands(q, sources, rows);
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   at::Tensor sinks_f;
-  if (sinks.has_value()) {
-    sinks_f = sinks->to(at::kFloat).contiguous();
-    TORCH_CHECK(sinks_f.numel() == H, "sinks: expected [H]");
-    sink_ptr = sinks_f.data_ptr<float>();
-  }
+  const float* sink_ptr = sink_values(sinks, H, sinks_f);
   auto out = at::empty({R, H, D}, q.options());
   auto lse = at::empty({R, H}, q.options().dtype(at::kFloat));
   const auto dt = q.scalar_type();
@@ -622,36 +632,21 @@ std::vector<at::Tensor> sparse_attention_backward(const at::Tensor& q, const at:
                                                   const at::Tensor& lse, const std::vector<at::Tensor>& sources,
                                                   const std::vector<at::Tensor>& rows,
                                                   const c10::optional<at::Tensor>& sinks, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q: expected a contiguous CPU [R, H, D] tensor");
+  check_operands(q, sources, rows);
   for (const auto* t : {&dout, &out})
     TORCH_CHECK(t->sizes() == q.sizes() && t->scalar_type() == q.scalar_type() && t->is_contiguous(),
                 "dout, out: expected contiguous tensors shaped and typed like q");
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == R && lse.size(1) == H && lse.scalar_type() == at::kFloat && lse.is_contiguous(),
               "lse: expected a contiguous fp32 [R, H] tensor");
-  TORCH_CHECK(sources.size() == rows.size(), "sources and rows: one index table per source");
   int64_t width = 0;
   std::vector<at::Tensor> dsrc;
   for (size_t i = 0; i < sources.size(); ++i) {
-    TORCH_CHECK(sources[i].dim() == 2 && sources[i].size(1) == D && sources[i].is_contiguous() &&
-                    sources[i].scalar_type() == q.scalar_type(),
-                "sources[", i, "]: expected a contiguous [N, D] tensor of q's dtype");
-    TORCH_CHECK(rows[i].dim() == 2 && rows[i].size(0) == R && rows[i].scalar_type() == at::kLong && rows[i].is_contiguous(),
-                "rows[", i, "]: expected a contiguous int64 [R, W] tensor");
-    const int64_t* idx = rows[i].data_ptr<int64_t>();
-    for (int64_t k = 0; k < rows[i].numel(); ++k)
-      TORCH_CHECK_INDEX(idx[k] < sources[i].size(0), "rows[", i, "]: key row ", idx[k], " is out of range [0, ",
-                        sources[i].size(0), ")");
     width += rows[i].size(1);
     dsrc.push_back(at::zeros({sources[i].size(0), D}, q.options().dtype(at::kFloat)));
   }
-  const float* sink_ptr = nullptr;
   at::Tensor sinks_f;
-  if (sinks.has_value()) {
-    sinks_f = sinks->to(at::kFloat).contiguous();
-    TORCH_CHECK(sinks_f.numel() == H, "sinks: expected [H]");
-    sink_ptr = sinks_f.data_ptr<float>();
-  }
+  const float* sink_ptr = sink_values(sinks, H, sinks_f);
   auto dq = at::empty_like(q);
   auto dsinks = at::zeros({H}, q.options().dtype(at::kFloat));
   auto pmean = at::empty({R, width}, q.options().dtype(at::kFloat));

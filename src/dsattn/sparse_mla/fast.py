@@ -97,11 +97,15 @@ def _forward_native(P: MlaProblem, module, flat, out, lse) -> None:
 def native_rows(P: MlaProblem, module, flat, qf, k, t0: int, t1: int, sinks):
     """``(out [r, H, D] query dtype, lse [r, H] fp32)`` of flattened rows ``[t0, t1)`` over their keys
     ``k`` (:meth:`MlaProblem.keys`) through the compiled kernel; ``sinks`` fp32 or None."""
+    return module.sparse_attention_forward(qf[t0:t1].contiguous(), *_native_keys(P, flat, k), sinks, P.scale)
+
+
+def _native_keys(P: MlaProblem, flat, k) -> tuple[list, list]:
+    """(key row sources, index tables) of a block's keys ``k``: ori first, then cmp."""
     parts = [_native_operands(P.ori, flat[0], k.ori_addr, k.ori_mask)]
     if P.cmp is not None:
         parts.append(_native_operands(P.cmp, flat[1], k.cmp_addr, k.cmp_mask))
-    return module.sparse_attention_forward(qf[t0:t1].contiguous(), [x for x, _ in parts], [i for _, i in parts],
-                                           sinks, P.scale)
+    return [x for x, _ in parts], [i for _, i in parts]
 
 
 def forward(P: MlaProblem, return_softmax_lse: bool):
@@ -238,14 +242,11 @@ def _backward_native(P: MlaProblem, module, flat, qf, dof, of, lse_rows) -> tupl
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
         k = P.keys(t0, t1)
-        parts = [_native_operands(P.ori, flat[0], k.ori_addr, k.ori_mask)]
-        if P.cmp is not None:
-            parts.append(_native_operands(P.cmp, flat[1], k.cmp_addr, k.cmp_mask))
+        sources, index = _native_keys(P, flat, k)
         res = module.sparse_attention_backward(qf[t0:t1].contiguous(), dof[t0:t1].contiguous(), of[t0:t1].contiguous(),
-                                               lse_rows[t0:t1].float().contiguous(), [x for x, _ in parts],
-                                               [i for _, i in parts], sinks, P.scale)
+                                               lse_rows[t0:t1].float().contiguous(), sources, index, sinks, P.scale)
         dq[t0:t1] = res[0]
-        for g, part in zip(grads, res[1:1 + len(parts)]):
+        for g, part in zip(grads, res[1:1 + len(sources)]):
             g += part
         dsinks += res[-2]
         l1_outputs(P, k, res[-1], t0, t1, cmp_l1, ori_l1)
