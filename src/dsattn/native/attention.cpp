@@ -305,36 +305,52 @@ struct RowAttention {
   }
 };
 
+// The index tables of a call: row r's keys are sources[i][rows[i][r, j]] for the entries >= 0,
+// source by source (window keys, then compressed keys).
+template <typename scalar_t>
+struct KeyTables {
+  std::vector<const scalar_t*> bases;
+  std::vector<const int64_t*> index;
+  std::vector<int64_t> widths;
+  int64_t width = 0, D;
+
+  KeyTables(const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows, int64_t dim) : D(dim) {
+    for (size_t i = 0; i < sources.size(); ++i) {
+      bases.push_back(sources[i].data_ptr<scalar_t>());
+      index.push_back(rows[i].data_ptr<int64_t>());
+      widths.push_back(rows[i].size(1));
+      width += rows[i].size(1);
+    }
+  }
+  int64_t npad_max() const { return round_up(std::max<int64_t>(width, 1), KEY_ALIGN); }
+
+  // visit(source, row, pointer) for each key of query row r, in order
+  template <typename Visit>
+  void each(int64_t r, Visit visit) const {
+    for (size_t i = 0; i < bases.size(); ++i) {
+      const int64_t* idx = index[i] + r * widths[i];
+      for (int64_t j = 0; j < widths[i]; ++j)
+        if (idx[j] >= 0) visit(static_cast<int>(i), idx[j], bases[i] + idx[j] * D);
+    }
+  }
+};
+
 template <typename scalar_t, typename mm_t>
 void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows,
                   const float* sinks, double scale, at::Tensor& out, at::Tensor& lse) {
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
-  int64_t width = 0;
-  for (const auto& r : rows) width += r.size(1);
-  const int64_t npad_max = round_up(std::max<int64_t>(width, 1), KEY_ALIGN);
+  const KeyTables<scalar_t> tables(sources, rows, D);
   const scalar_t* qp = q.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   float* lp = lse.data_ptr<float>();
-  std::vector<const scalar_t*> bases;
-  std::vector<const int64_t*> index;
-  std::vector<int64_t> widths;
-  for (size_t i = 0; i < sources.size(); ++i) {
-    bases.push_back(sources[i].data_ptr<scalar_t>());
-    index.push_back(rows[i].data_ptr<int64_t>());
-    widths.push_back(rows[i].size(1));
-  }
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     RowAttention<scalar_t, mm_t> work{H, D, round_up(H, 16), round_up(D, 16), static_cast<float>(scale), sinks};
-    work.reserve(npad_max);
+    work.reserve(tables.npad_max());
     std::vector<const scalar_t*> keys;
-    keys.reserve(width);
+    keys.reserve(tables.width);
     for (int64_t r = r0; r < r1; ++r) {
       keys.clear();
-      for (size_t i = 0; i < bases.size(); ++i) {
-        const int64_t* idx = index[i] + r * widths[i];
-        for (int64_t j = 0; j < widths[i]; ++j)
-          if (idx[j] >= 0) keys.push_back(bases[i] + idx[j] * D);
-      }
+      tables.each(r, [&](int, int64_t, const scalar_t* row) { keys.push_back(row); });
       work.run(qp + r * H * D, keys, op + r * H * D, lp + r * H);
     }
     if (RowAttention<scalar_t, mm_t>::packed) brgemm_release(true);
@@ -384,21 +400,12 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hp = round_up(H, 16), Dp = round_up(D, 16);
   const float scale = static_cast<float>(scale_d);
-  int64_t width = 0;
-  for (const auto& r : rows) width += r.size(1);
-  const int64_t npad_max = round_up(std::max<int64_t>(width, 1), KEY_ALIGN);
+  const KeyTables<scalar_t> tables(sources, rows, D);
+  const int64_t width = tables.width, npad_max = tables.npad_max();
   const scalar_t *qp = q.data_ptr<scalar_t>(), *dop = dout.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
   const float* lp = lse.data_ptr<float>();
   scalar_t* dqp = dq.data_ptr<scalar_t>();
   float* pm = pmean.data_ptr<float>();
-  std::vector<const scalar_t*> bases;
-  std::vector<const int64_t*> index;
-  std::vector<int64_t> widths;
-  for (size_t i = 0; i < sources.size(); ++i) {
-    bases.push_back(sources[i].data_ptr<scalar_t>());
-    index.push_back(rows[i].data_ptr<int64_t>());
-    widths.push_back(rows[i].size(1));
-  }
   const int threads = at::get_num_threads();
   // per-thread fp32 accumulators of the key gradients (rows of one key may be hit by several
   // query rows on different threads) and of dsinks, summed at the end
@@ -425,11 +432,10 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
     for (int64_t r = r0; r < r1; ++r) {
       keys.clear();
       where.clear();
-      for (size_t i = 0; i < bases.size(); ++i) {
-        const int64_t* idx = index[i] + r * widths[i];
-        for (int64_t j = 0; j < widths[i]; ++j)
-          if (idx[j] >= 0) keys.push_back(bases[i] + idx[j] * D), where.emplace_back(int(i), idx[j]);
-      }
+      tables.each(r, [&](int source, int64_t row, const scalar_t* ptr) {
+        keys.push_back(ptr);
+        where.emplace_back(source, row);
+      });
       const int64_t n = static_cast<int64_t>(keys.size());
       scalar_t* dqr = dqp + r * H * D;
       float* pmr = pm + r * width;
@@ -551,10 +557,11 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
       }
       // pmean is per key slot of the row's index tables: spread the gathered order back
       int64_t g = n;
-      for (int64_t i = static_cast<int64_t>(bases.size()) - 1, col = width; i >= 0; --i) {
-        col -= widths[i];
-        const int64_t* idx = index[i] + r * widths[i];
-        for (int64_t j = widths[i] - 1; j >= 0; --j) pmr[col + j] = idx[j] >= 0 ? pmr[--g] : 0.0f;
+      for (int64_t i = static_cast<int64_t>(tables.bases.size()) - 1, col = width; i >= 0; --i) {
+        const int64_t w = tables.widths[i];
+        col -= w;
+        const int64_t* idx = tables.index[i] + r * w;
+        for (int64_t j = w - 1; j >= 0; --j) pmr[col + j] = idx[j] >= 0 ? pmr[--g] : 0.0f;
       }
     }
     if constexpr (packed) brgemm_release(true);
