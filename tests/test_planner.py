@@ -166,6 +166,37 @@ def random_workload(rng: random.Random) -> dict:
                 support_fd=support_fd, ori_mask_mode=mode, ori_win_left=rng.choice([127, 127, 5, -1]), **kw)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_native_run_compression_on_long_prefills(seed, native_module):
+    """The compiled planner groups a batch's rows into runs of equal cost found by bisection (for
+    m-blocks of whole queries) or by a row scan (other head counts, the high-performance cost):
+    long prefills through every mask mode, window, ratio and head count, including head counts
+    that do not divide the 256-row m-block, against the NumPy fast planner (equal to the golden
+    on the 1000 workloads above), which costs every row."""
+    if native_module is None:
+        pytest.skip(f"no compiled planner here: {native.status()}")
+    rng = random.Random(7000 + seed)
+    for n in range(150):
+        B = rng.choice([1, 2, 4, 7])
+        S1 = [rng.choice([rng.randint(1, 9000), rng.randint(1, 300), 1]) for _ in range(B)]
+        S2 = [max(s1 + rng.choice([0, 0, rng.randint(0, 40000)]), 1) if rng.random() < 0.8 else rng.randint(1, 9000)
+              for s1 in S1]
+        scenario = rng.choice(["SWA", "CFA", "SCFA", "HP"])
+        kw = {"SWA": dict(has_cmp_kv=False, cmp_ratio=1),
+              "CFA": dict(cmp_ratio=rng.choice([4, 128]), cmp_topk=0),
+              "SCFA": dict(cmp_ratio=rng.choice([4, 128]), cmp_topk=rng.choice([512, 1024])),
+              "HP": dict(cmp_ratio=4, cmp_topk=1024)}[scenario]
+        heads = 128 if scenario == "HP" else rng.choice([3, 48, 64, 96, 128])
+        support_fd = False if scenario == "HP" else rng.random() < 0.5
+        aic = rng.randint(1, 36)
+        args = dict(cu_seqlens_q=cu(S1), seqused_kv=i32(S2), layout_q="TND", aic_core_num=aic,
+                    aiv_core_num=rng.randint(aic, 72) if support_fd else rng.randint(1, 72), support_fd=support_fd,
+                    ori_mask_mode=rng.choice([4, 4, 3, 0]), ori_win_left=rng.choice([127, 0, 5, 1000, -1]), **kw)
+        expected = table.encode(fast.plan(plan_params(heads, 1, 512, **args)))
+        got = native_planner.plan_table(native_module, heads, 1, 512, **args)
+        assert torch.equal(expected, got), f"workload {seed}/{n}: heads {heads}, S1 {S1}, S2 {S2}, {args}"
+
+
 @pytest.fixture(params=["numpy", "native"])
 def planner_path(request, monkeypatch, native_module):
     """Run a test through the NumPy fast planner (DSATTN_NATIVE=0) and through the compiled one."""

@@ -121,35 +121,43 @@ Batch batch_of(const Params& pp, i64 b) {
 struct Shape {
   i64 win_end, win_tail, act, lst;
   bool row_t;
-  bool operator==(const Shape& o) const {
-    return win_end == o.win_end && win_tail == o.win_tail && act == o.act && lst == o.lst && row_t == o.row_t;
+  // The cost model sees key counts in 64-key steps (cost() rounds N up to 64; 512-key blocks
+  // hold whole steps), so rows whose window and compressed counts fall in the same steps have
+  // the same cost, block count and last-block cost: the greedy assignment's view of a row.
+  i64 window_steps() const { return win_end == 0 ? 0 : cdiv((win_end - 1) * S2_BASE + (win_tail ? win_tail : S2_BASE), 64); }
+  bool same_cost(const Shape& o) const {
+    return window_steps() == o.window_steps() && cdiv(act, 64) == cdiv(o.act, 64) && lst == o.lst && row_t == o.row_t;
   }
 };
 
-__attribute__((always_inline)) inline Shape shape_at(const Params& pp, const Batch& g, i64 idx) {
+// The key range [first, last] of row ``idx`` before clipping to [0, S2); ``false`` for a batch
+// without queries or keys.  Both ends are non-decreasing in ``idx`` over the full rows.
+__attribute__((always_inline)) inline bool bounds_at(const Params& pp, const Batch& g, i64 idx, i64& first, i64& last) {
   const i64 G = pp.G(), m_base = pp.m_base();
-  bool empty = false;
-  i64 first, last;
-  if (g.S1 == 0 || g.S2 == 0) {
-    first = last = 0;
-    empty = true;
-  } else if (pp.no_mask()) {
+  if (g.S1 == 0 || g.S2 == 0) return false;
+  if (pp.no_mask()) {
     first = 0;
     last = g.S2 - 1;
-  } else {
-    const i64 f = idx * m_base;
-    const i64 l = std::min(f + m_base, g.S1v * G) - 1;
-    i64 fq, lq;
-    if (pp.divides_) {
-      fq = idx * pp.k_;
-      lq = f + m_base <= g.S1v * G ? idx * pp.k_ + pp.tail_q_ : g.S1v - 1;
-    } else {
-      fq = f / G;
-      lq = l / G;
-    }
-    first = fq - g.pre_lu;
-    last = lq + g.next_lu;
+    return true;
   }
+  const i64 f = idx * m_base;
+  const i64 l = std::min(f + m_base, g.S1v * G) - 1;
+  i64 fq, lq;
+  if (pp.divides_) {
+    fq = idx * pp.k_;
+    lq = f + m_base <= g.S1v * G ? idx * pp.k_ + pp.tail_q_ : g.S1v - 1;
+  } else {
+    fq = f / G;
+    lq = l / G;
+  }
+  first = fq - g.pre_lu;
+  last = lq + g.next_lu;
+  return true;
+}
+
+__attribute__((always_inline)) inline Shape shape_at(const Params& pp, const Batch& g, i64 idx) {
+  i64 first = 0, last = 0;
+  const bool empty = !bounds_at(pp, g, idx, first, last);
   i64 win_end, win_tail, lst;
   if (empty || first >= g.S2 || last < 0 || last < first) {
     win_end = win_tail = 0;
@@ -167,6 +175,60 @@ __attribute__((always_inline)) inline Shape shape_at(const Params& pp, const Bat
   const i64 act = pp.is_scfa() ? std::min(cmp_tok, pp.cmp_topk) : cmp_tok;
   // (the last key matters to the cost only through the high-performance formula)
   return Shape{win_end, win_tail, act, g.hp ? lst : 0, idx == g.n_m - 1 && g.s1g_tail != 0};
+}
+
+// Which clipping applies to a row's key range.  Each bit is a threshold on first or last, so
+// along the full rows of a batch each flips at most once.
+__attribute__((always_inline)) inline int clip_state(const Params& pp, const Batch& g, i64 idx) {
+  i64 first = 0, last = 0;
+  if (!bounds_at(pp, g, idx, first, last)) return -1;
+  return (first >= 0) | (last >= g.S2 - 1) << 1 | (last >= 0) << 2 | (first >= g.S2) << 3 | (last >= first) << 4;
+}
+
+// Over the full rows of a batch (all but its last, which may be a partial m-block) with m-blocks
+// of whole queries (G | m_base), a row's key range ends first = idx k - pre and last = idx k + c
+// are affine and non-decreasing.  So while the clipping stays the same (``clip_state``: each of
+// its bits flips at most once along a batch) the window width and the last key move one way
+// only, and so do the 64-key step counts of ``Shape::same_cost``: "costs the same as row idx"
+// holds on a prefix of the rows after idx, up to the next clipping change.  Runs are then found
+// by galloping and bisection, a few evaluations per run instead of one per row.  Other
+// geometries (floors of idx m_base / G, the high-performance cost that depends on every last
+// key) are scanned row by row.
+bool bisectable(const Params& pp, const Batch& g) { return pp.divides_ && !g.hp; }
+
+// The first row after ``idx`` whose clipping differs from row idx's (at most ``end``).
+i64 next_clip_change(const Params& pp, const Batch& g, i64 idx, i64 end) {
+  const int clip = clip_state(pp, g, idx);
+  i64 good = idx, bad = end;
+  while (bad - good > 1) {
+    const i64 mid = good + (bad - good) / 2;
+    if (clip_state(pp, g, mid) == clip) good = mid;
+    else bad = mid;
+  }
+  return bad;
+}
+
+// One past the last row of the run of rows costing what row ``idx`` (shape ``sh``) costs, which ends at
+// ``limit`` at the latest: the next clipping change for bisectable batches, else the last full row.
+i64 run_end(const Params& pp, const Batch& g, i64 idx, const Shape& sh, i64 limit) {
+  if (idx + 1 >= limit) return idx + 1;
+  if (!bisectable(pp, g)) {
+    i64 j = idx + 1;
+    while (j < limit && shape_at(pp, g, j).same_cost(sh)) ++j;
+    return j;
+  }
+  i64 good = idx, bad = limit, step = 1;   // rows (idx, good] are in the run
+  while (good + step < limit) {
+    if (!shape_at(pp, g, good + step).same_cost(sh)) { bad = good + step; break; }
+    good += step;
+    step *= 2;
+  }
+  while (bad - good > 1) {
+    const i64 mid = good + (bad - good) / 2;
+    if (shape_at(pp, g, mid).same_cost(sh)) good = mid;
+    else bad = mid;
+  }
+  return good + 1;
 }
 
 __attribute__((always_inline)) inline Row row_of(const Params& pp, const Batch& g, const Shape& sh) {
@@ -211,32 +273,45 @@ void write_entry(int32_t* t, int at, std::initializer_list<i64> v) {
   for (i64 x : v) t[k++] = (int32_t)x;
 }
 
-// The per-row fields the greedy assignment reads, in flat arrays reused across calls (a serving
-// step plans three times: no allocation, no page faults once warm).  Every row record starts at
-// s2-block 0 (ref: s2_start is the window's 0, or cmp_start = win_end = 0 without a window), so
-// ``blocks`` is also its s2 end.
-struct RowTable {
-  std::vector<i64> off;                    // batch b's rows: [off[b], off[b + 1])
-  std::vector<int64_t> cost, lbc, blocks;
+// Consecutive rows of a batch that the greedy assignment cannot tell apart: equal cost, block
+// count and last-block cost (``Shape::same_cost``).  A prefill batch of thousands of rows has a
+// few dozen (the window grows to its width and the compressed count to top-k in 64-key steps,
+// then nothing changes), so the assignment takes a run's rows by one division instead of
+// walking them.  Every row record starts at s2-block 0 (ref: s2_start is the window's 0, or
+// cmp_start = win_end = 0 without a window), so ``blocks`` is also its s2 end; a row entered
+// part-way is recomputed in full (``row_at``).
+struct Run {
+  i64 end;   // one past its last row (its first row is the previous run's end, or 0)
+  i64 cost, blocks, last_block_cost;
 };
+
+// How many of ``n`` equal rows of cost ``c`` AssignByRow takes from ``core_cost`` on: the rows
+// are taken while the core's test holds, and the test only tightens as ``core_cost`` grows.
+i64 rows_that_fit(bool hp, i64 limit, i64 core_cost, i64 c, i64 lbc, i64 n) {
+  if (c <= 0) return (hp ? 5 * (limit - core_cost) > 4 * c : limit + lbc / 2 >= core_cost + c) ? n : 0;
+  i64 k;
+  if (hp) {  // take row i while 5 (limit - core_cost - i c) > 4 c
+    const i64 x = 5 * (limit - core_cost) - 4 * c;
+    k = x <= 0 ? 0 : (x + 5 * c - 1) / (5 * c);
+  } else {   // take row i while limit + lbc / 2 >= core_cost + (i + 1) c
+    const i64 x = limit + lbc / 2 - core_cost - c;
+    k = x < 0 ? 0 : x / c + 1;
+  }
+  return std::min(k, n);
+}
 
 void plan_into(const Params& pp, int32_t* table) {
   const i64 B = pp.B, N2 = pp.N2;
-  static RowTable rt;   // (callers hold the GIL: pybind11 does not release it for these functions)
+  // (reused across calls, so a serving step's three plans allocate nothing once warm; callers
+  // hold the GIL: pybind11 does not release it for these functions)
+  static std::vector<Run> runs;
+  static std::vector<i64> run_off;        // batch b's runs: [run_off[b], run_off[b + 1])
   std::vector<Batch> batches(B);
-  rt.off.assign(B + 1, 0);
-  for (i64 b = 0; b < B; ++b) {
-    batches[b] = batch_of(pp, b);
-    rt.off[b + 1] = rt.off[b] + batches[b].n_m;
-  }
-  const i64 R = rt.off[B];
-  if ((i64)rt.cost.size() < R) {
-    rt.cost.resize(R);
-    rt.lbc.resize(R);
-    rt.blocks.resize(R);
-  }
+  for (i64 b = 0; b < B; ++b) batches[b] = batch_of(pp, b);
   std::fill(table, table + TABLE_SIZE, 0);
   std::vector<i64> batch_cost(B, 0), batch_blocks(B, 0), batch_lbc(B, 0);
+  runs.clear();
+  run_off.assign(B + 1, 0);
   i64 max_row_cost = 0, total = 0;
   bool all_empty = true;
   for (i64 b = 0; b < B; ++b) {
@@ -244,22 +319,21 @@ void plan_into(const Params& pp, int32_t* table) {
     const bool empty_b = g.S1v == 0 || g.S2 == 0;
     if (g.n_m > 0 && cdiv(g.S2, S2_BASE) != 0) all_empty = false;
     i64 bc = 0, bk = 0, lbc = 0;
-    Shape last_shape{-1, -1, -1, -1, false};
-    Row r{};
-    for (i64 idx = 0, at = rt.off[b]; idx < g.n_m; ++idx, ++at) {
+    const i64 full_end = g.n_m - 1;   // (the last row is a run of its own)
+    i64 region_end = 0;
+    for (i64 idx = 0; idx < g.n_m;) {
+      if (idx >= region_end) region_end = bisectable(pp, g) && idx < full_end ? next_clip_change(pp, g, idx, full_end) : full_end;
       const Shape sh = shape_at(pp, g, idx);
-      if (!(sh == last_shape)) {
-        r = row_of(pp, g, sh);
-        last_shape = sh;
-      }
-      rt.cost[at] = r.cost;
-      rt.lbc[at] = r.last_block_cost;
-      rt.blocks[at] = r.blocks;
-      bc += r.cost;
-      bk += r.blocks;
+      const i64 end = run_end(pp, g, idx, sh, region_end), n = end - idx;
+      const Row r = row_of(pp, g, sh);
+      runs.push_back({end, r.cost, r.blocks, r.last_block_cost});
+      bc += r.cost * n;
+      bk += r.blocks * n;
       if (r.blocks > 0) lbc = r.last_block_cost;
       max_row_cost = std::max(max_row_cost, r.cost);
+      idx = end;
     }
+    run_off[b + 1] = (i64)runs.size();
     batch_cost[b] = empty_b ? 0 : bc;
     batch_blocks[b] = empty_b ? 0 : bk;
     batch_lbc[b] = lbc;
@@ -271,29 +345,33 @@ void plan_into(const Params& pp, int32_t* table) {
   }
   total *= N2;
 
-  // the cursor (§2.3); ``split`` caches the full record of a row entered part-way (AssignByBlock)
-  i64 bn2 = 0, row = 0, s2 = 0, bn2_cost = batch_cost[0], bn2_blocks = batch_blocks[0];
+  // the cursor (§2.3): batch-head ``bn2``, row ``row`` (inside run ``run``), s2-block ``s2``
+  i64 bn2 = 0, row = 0, run = 0, s2 = 0, bn2_cost = batch_cost[0], bn2_blocks = batch_blocks[0];
   bool finished = false;
   auto bb = [&]() { return N2 == 1 ? bn2 : bn2 / N2; };
-  auto n_rows = [&](i64 b) { return rt.off[b + 1] - rt.off[b]; };
-  auto at = [&]() { return rt.off[bb()] + row; };
+  auto n_rows = [&](i64 b) { return batches[b].n_m; };
   auto next_bn2 = [&]() {
     ++bn2;
     row = s2 = 0;
     if (bn2 == B * N2) finished = true;
-    else { bn2_cost = batch_cost[bb()]; bn2_blocks = batch_blocks[bb()]; }
+    else { bn2_cost = batch_cost[bb()]; bn2_blocks = batch_blocks[bb()]; run = run_off[bb()]; }
   };
-  auto next_row = [&]() {
-    const i64 base = rt.off[bb()], n = n_rows(bb());
-    ++row;
-    while (row < n && rt.blocks[base + row] == 0) ++row;
-    if (row >= n) next_bn2();
+  // to row ``to`` of the batch, skipping rows without blocks (ref's next_row from row ``to - 1``)
+  auto next_row_from = [&](i64 to) {
+    const i64 last_run = run_off[bb() + 1];
+    row = to;
+    while (run < last_run && (runs[run].end <= row || runs[run].blocks == 0)) {
+      if (runs[run].end > row) row = runs[run].end;
+      ++run;
+    }
+    if (run >= last_run) next_bn2();
     else s2 = 0;
   };
+  auto next_row = [&]() { next_row_from(row + 1); };
   auto skip_empty = [&]() { while (!finished && batch_blocks[bb()] == 0) next_bn2(); };
   auto full_row = [&]() { return row_at(pp, batches[bb()], row); };
   auto remaining_row_cost = [&]() {
-    if (s2 == 0) return rt.cost[at()];
+    if (s2 == 0) return runs[run].cost;
     const Row r = full_row();
     i64 c = 0;
     for (i64 k = s2; k < r.s2_end; ++k) c += block_cost(pp, r, k);
@@ -330,17 +408,28 @@ void plan_into(const Params& pp, int32_t* table) {
       next_bn2();
     }
     while (!finished) {                                                 // 2. AssignByRow
-      const i64 b = bb(), g = at();
-      const i64 rc = remaining_row_cost();
-      const bool ok = batches[b].hp ? 5 * (limit - core_cost) > 4 * rc
-                                    : limit + rt.lbc[g] / 2 >= core_cost + rc;
-      if (!ok) break;
-      core_cost += rc;
-      core_blocks += rt.blocks[g] - s2;
-      bn2_cost = std::max<i64>(0, bn2_cost - rc);
-      bn2_blocks -= rt.blocks[g] - s2;
-      const i64 before = bn2;
-      next_row();
+      const i64 b = bb(), before = bn2;
+      const Run& r = runs[run];
+      const bool hp = batches[b].hp;
+      if (s2 == 0 && r.blocks > 0) {
+        // whole rows of this run: as many as the test lets through, in one step
+        const i64 k = rows_that_fit(hp, limit, core_cost, r.cost, r.last_block_cost, runs[run].end - row);
+        if (k == 0) break;
+        core_cost += k * r.cost;
+        core_blocks += k * r.blocks;
+        bn2_cost = std::max<i64>(0, bn2_cost - k * r.cost);
+        bn2_blocks -= k * r.blocks;
+        next_row_from(row + k);
+      } else {
+        const i64 rc = remaining_row_cost();
+        const bool ok = hp ? 5 * (limit - core_cost) > 4 * rc : limit + r.last_block_cost / 2 >= core_cost + rc;
+        if (!ok) break;
+        core_cost += rc;
+        core_blocks += r.blocks - s2;
+        bn2_cost = std::max<i64>(0, bn2_cost - rc);
+        bn2_blocks -= r.blocks - s2;
+        next_row();
+      }
       if (finished || bn2 != before) break;
     }
     if (pp.support_fd) {
