@@ -1,9 +1,11 @@
-// The metadata planner (spec 50 §2-§3) in C++: the golden of dsattn/planner/ref.py transcribed
-// statement for statement (row records, the greedy AssignByBatch / AssignByRow / AssignByBlock /
-// ForceAssign loop, RecordFDInfo, the FD split), writing the 1024-int32 table directly.  It also
-// resolves the per-batch lengths from the CPU int32 mirrors with the checks of
-// dsattn/planner/params.py (same messages; std::invalid_argument reaches Python as ValueError),
-// so a serving step's plan costs one call and no Python loop.
+// The metadata planner (spec 50 §2-§3) in C++: the golden of dsattn/planner/ref.py (row records,
+// the greedy AssignByBatch / AssignByRow / AssignByBlock / ForceAssign loop, RecordFDInfo, the FD
+// split), writing the 1024-int32 table directly and byte-identical to the golden's.  It differs
+// from the golden in one respect: rows are not costed one by one but in runs of rows the greedy
+// cannot tell apart (``Run``, ``run_end``), so a prefill chunk of thousands of m-blocks costs a
+// few dozen evaluations.  It also resolves the per-batch lengths from the CPU int32 mirrors with
+// the checks of dsattn/planner/params.py (same messages; std::invalid_argument reaches Python as
+// ValueError), so a serving step's plan costs one call and no Python loop.
 #include <torch/extension.h>
 
 #include <algorithm>
