@@ -246,6 +246,57 @@ def test_invariant_checker_catches_broken_tables():
             check(bad)
 
 
+@pytest.mark.parametrize("chunk", range(2))
+def test_coverage_equals_the_walk_and_its_check_agrees(chunk):
+    """The executor's vectorised reading of a plan (``coverage``: whole rows, partial segments
+    with slots) equals the golden walk's segments on random workloads, and ``check_coverage``
+    accepts what ``check_invariants`` accepts; on tables with one entry changed both checkers
+    reject or both accept (the documented stricter case aside: a range bound past its row's
+    blocks)."""
+    rng = random.Random(500 + chunk)
+    tried = rejected = 0
+    for n in range(40):
+        kw = random_workload(rng)
+        args = dict(kw)
+        pp = plan_params(args.pop("num_heads_q"), args.pop("num_heads_kv"), args.pop("head_dim"), **args)
+        rw = fast.Rows(pp)
+        t = table.encode(fast.plan(pp))
+        for trial in range(4):
+            tt = t.clone()
+            if trial:
+                i = rng.choice([8 * c + f for c in range(4) for f in range(1, 8)] +
+                               [table.FD_BASE + 8 * c + f for c in range(2) for f in range(1, 7)])
+                tt[i] = max(0, int(tt[i]) + rng.choice([-2, -1, 1, 2]))
+            plan = table.decode(tt)
+            cov = table.coverage(plan, rw)
+            if trial == 0:
+                segs = table.walk(plan, rw.views)
+                whole = sorted(int(rw.off[s.bn2]) + s.m for s in segs if not s.partial)
+                assert cov.whole.tolist() == whole, f"workload {chunk}/{n}"
+                assert cov.partial == [s for s in segs if s.partial], f"workload {chunk}/{n}"
+            golden = fast_check = None
+            try:
+                table.check_invariants(plan, rw.views, pp.B, pp.aic, pp.aiv, pp.support_fd)
+            except AssertionError as e:
+                golden = str(e)
+            try:
+                table.check_coverage(plan, rw, cov, pp.B, pp.aic, pp.aiv, pp.support_fd)
+            except AssertionError as e:
+                fast_check = str(e)
+            tried += 1
+            rejected += golden is not None
+            if golden is None:
+                assert fast_check is None or "past" in fast_check or "has blocks up to" in fast_check, \
+                    f"workload {chunk}/{n} trial {trial}: only the fast check rejects: {fast_check}"
+            else:
+                assert fast_check is not None, f"workload {chunk}/{n} trial {trial}: golden rejects: {golden}"
+    assert rejected > tried // 4, (rejected, tried)
+    bad = t.clone()
+    bad[2] = -1                                           # a negative row in core 0's start
+    with pytest.raises(AssertionError, match="negative"):
+        table.coverage(table.decode(bad), rw)
+
+
 @pytest.mark.parametrize("over,arg", [
     (dict(cmp_topk=64), "cmp_topk"), (dict(cmp_ratio=7), "cmp_ratio"), (dict(num_heads_kv=2), "num_heads_kv"),
     (dict(ori_win_right=1), "ori_win_right"), (dict(ori_mask_mode=2), "ori_mask_mode"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .params import FA_CORES, FD_CORES, TABLE_SIZE
@@ -81,12 +82,7 @@ def walk(p: Plan, rows_of) -> list[Segment]:
 
 def check_invariants(p: Plan, rows_of, n_bn2: int, aic: int, aiv: int, support_fd: bool) -> None:
     """Raise AssertionError naming the first violated invariant of §5."""
-    n = p.used_cores
-    assert 1 <= n <= aic, f"1: usedCoreNum {n} not in [1, {aic}]"
-    assert p.starts[0] == (0, 0, 0), f"2: start[0] = {p.starts[0]}"
-    for i in range(1, n):
-        assert p.starts[i] == p.ends[i - 1], f"2: start[{i}] = {p.starts[i]} != end[{i - 1}] = {p.ends[i - 1]}"
-    assert p.ends[-1] == (n_bn2, 0, 0), f"3: end[last] = {p.ends[-1]}"
+    _check_chain(p, n_bn2, aic)
     segs = walk(p, rows_of)
     pieces: dict = {}
     for s in segs:
@@ -103,6 +99,22 @@ def check_invariants(p: Plan, rows_of, n_bn2: int, aic: int, aiv: int, support_f
                 pos = hi
             assert pos == row.s2_end, f"4: row {(bn2, m)} covered up to {pos}, has blocks up to {row.s2_end}"
     assert not pieces, f"4: cores work on rows that do not exist: {sorted(pieces)[:3]}"
+    _check_fd(p, segs, lambda bn2, m: rows_of(bn2)[m].m_size, aiv, support_fd)
+
+
+def _check_chain(p: Plan, n_bn2: int, aic: int) -> None:
+    """Invariants 1-3: the enabled cores' ranges follow one another from (0, 0, 0) to the end."""
+    n = p.used_cores
+    assert 1 <= n <= aic, f"1: usedCoreNum {n} not in [1, {aic}]"
+    assert p.starts[0] == (0, 0, 0), f"2: start[0] = {p.starts[0]}"
+    for i in range(1, n):
+        assert p.starts[i] == p.ends[i - 1], f"2: start[{i}] = {p.starts[i]} != end[{i - 1}] = {p.ends[i - 1]}"
+    assert p.ends[-1] == (n_bn2, 0, 0), f"3: end[last] = {p.ends[-1]}"
+
+
+def _check_fd(p: Plan, segs, m_size_of, aiv: int, support_fd: bool) -> None:
+    """Invariants 5-6: FD data only with support_fd; the FD tasks match the split rows' partial
+    segments, their workspace slots and their M ranges.  ``segs``: every segment, or the partial ones."""
     if not support_fd:
         assert all(s[2] == 0 for s in p.starts) and all(e[2] == 0 for e in p.ends), "5: s2 != 0 without FD"
         assert all(f == 0 for f in p.first_fd) and not p.fd, "5: FD data without support_fd"
@@ -129,5 +141,89 @@ def check_invariants(p: Plan, rows_of, n_bn2: int, aic: int, aiv: int, support_f
         for m_start, m_num in ranges:
             assert m_start == pos and m_num > 0, f"6: FD M ranges of {(bn2, m)} do not partition"
             pos += m_num
-        m_size = rows_of(bn2)[m].m_size
+        m_size = m_size_of(bn2, m)
         assert pos == m_size, f"6: FD M ranges of {(bn2, m)} cover {pos} rows, the m-block has {m_size}"
+
+
+@dataclass
+class Coverage:
+    """A plan's work in the executor's terms: ``whole``, the global row records (``Rows``
+    numbering: batch b's rows are ``off[b] + m``) that one core holds whole, ascending; and the
+    ``partial`` segments of split rows with their workspace slots, in :func:`walk`'s order."""
+    whole: np.ndarray
+    partial: list[Segment]
+
+
+def coverage(p: Plan, rw) -> Coverage:
+    """:func:`walk` over the row arrays of a :class:`~dsattn.planner.fast.Rows`, vectorised: a
+    core's range covers the tail of its first row, every row in between whole and the head of
+    its last row, so only the (at most two) edge rows of each core are looked at one by one.
+    Positions are numbered as the walk moves: row m of batch b is global row ``off[b] + m``, a
+    position past a batch's rows is the next batch's first row, and past the last batch is the
+    end.  (Every row record starts at s2-block 0, so a row's blocks are ``[0, blocks)``.)"""
+    off, blocks, B = rw.off, rw.blocks, rw.B
+    R = int(off[-1])
+
+    def position(t):
+        b, m, s = t
+        if min(t) < 0:
+            raise AssertionError(f"0: negative entry in the core range bound {t}")
+        if b >= B:
+            return R, 0
+        if m >= int(off[b + 1] - off[b]):
+            return int(off[b + 1]), 0
+        return int(off[b]) + m, s
+
+    whole, partial = [], []
+    for core, (start, end, first) in enumerate(zip(p.starts, p.ends, p.first_fd)):
+        (gs, ss), (ge, se) = position(start), position(end)
+        if (gs, ss) >= (ge, se):
+            continue
+        k = 0
+        edges = [(gs, ss, se if ge == gs else int(blocks[gs]))] if gs < R else []
+        if ge > gs:
+            whole.append(np.arange(gs + 1, ge))
+            if ge < R and se > 0:
+                edges.append((ge, 0, se))
+        for g, lo, hi in edges:
+            if hi <= lo:
+                continue
+            if lo > 0 or hi < blocks[g]:
+                b = int(np.searchsorted(off, g, side="right")) - 1
+                partial.append(Segment(core, b, g - int(off[b]), lo, hi, True, first + k))
+                k += 1
+            else:
+                whole.append(np.array([g]))
+    rows = np.concatenate(whole) if whole else np.zeros(0, dtype=np.int64)
+    rows = np.sort(rows[blocks[rows] > 0])
+    return Coverage(rows, partial)
+
+
+def check_coverage(p: Plan, rw, cov: Coverage, n_bn2: int, aic: int, aiv: int, support_fd: bool) -> None:
+    """:func:`check_invariants` for a plan read through :func:`coverage`, without a per-row loop.
+
+    Invariant 4 (every block of every row done exactly once) is checked on block coordinates:
+    position (row g, s2 s) is block ``cum_blocks[g] + s`` of the whole call.  The chained core
+    ranges (invariants 1-3) tile the blocks exactly once when no core's range runs backwards
+    in blocks and no range bound points past its row's blocks.  (Stricter than the golden
+    checker in one degenerate case only: a bound past its row's blocks where no block is
+    covered twice, which no planner writes.)"""
+    _check_chain(p, n_bn2, aic)
+    off, blocks, B = rw.off, rw.blocks, rw.B
+    cum = np.concatenate([[0], np.cumsum(blocks)])
+    R = int(off[-1])
+
+    def block_of(t):
+        b, m, s = t
+        if b >= B:
+            return int(cum[R])
+        if m >= int(off[b + 1] - off[b]):
+            return int(cum[off[b + 1]])
+        g = int(off[b]) + m
+        assert s <= blocks[g], f"4: row {(b, m)} has blocks up to {int(blocks[g])} but a core range bound is {t}"
+        return int(cum[g]) + s
+
+    for core, (start, end) in enumerate(zip(p.starts, p.ends)):
+        assert block_of(start) <= block_of(end), f"4: core {core} range {start} -> {end} runs backwards"
+    _check_fd(p, cov.partial, lambda bn2, m: min(rw.m_base, int(rw.S1v[bn2]) * rw.G - m * rw.m_base), aiv,
+              support_fd)

@@ -18,15 +18,14 @@ not at all) raises ``ValueError`` naming ``metadata``.
 """
 from __future__ import annotations
 
-import functools
-
+import numpy as np
 import torch
 
 from ..common.checks import fail, host_ints
 from ..common.softmax import attend, attention_dtype, merge_attention_states
 from ..planner.fast import Rows
 from ..planner.params import FA_CORES, FD_CORES, S2_BASE, plan_params
-from ..planner.table import check_invariants, decode, walk
+from ..planner.table import check_coverage, coverage, decode
 from ..sparse_mla import fast
 from ..sparse_mla.problem import MlaProblem
 
@@ -47,24 +46,25 @@ def plan_params_for(P: MlaProblem):
 
 
 def read_plan(P: MlaProblem, metadata: torch.Tensor, check: bool):
-    """The plan on the host with the row records of this call; ``check``: raise ValueError naming
-    ``metadata`` when the plan does not fit the call (50 §5 invariants)."""
+    """The plan on the host with the row records of this call and its coverage (which rows each
+    core holds whole, which it splits); ``check``: raise ValueError naming ``metadata`` when the
+    plan does not fit the call (50 §5 invariants)."""
     pp = plan_params_for(P)
     rw = Rows(pp)
     plan = decode(metadata)
-    rows_of = functools.lru_cache(maxsize=None)(rw.views)     # the invariant check and the walk share them
-    if check:
-        split = bool(plan.fd) or any(s[2] for s in plan.starts) or any(e[2] for e in plan.ends)
-        try:
-            check_invariants(plan, rows_of, pp.B, FA_CORES, FD_CORES, split)
-        except AssertionError as e:
-            fail("metadata", f"the plan does not fit this call (built from other lengths or attributes?): "
-                 f"invariant {e}")
-    return pp, rw, plan, rows_of
+    try:
+        cov = coverage(plan, rw)
+        if check:
+            check_coverage(plan, rw, cov, pp.B, FA_CORES, FD_CORES,
+                           bool(plan.fd) or any(s[2] for s in plan.starts) or any(e[2] for e in plan.ends))
+    except AssertionError as e:
+        fail("metadata", f"the plan does not fit this call (built from other lengths or attributes?): "
+             f"invariant {e}")
+    return pp, rw, plan, cov
 
 
 def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
-    pp, rw, plan, rows_of = read_plan(P, metadata, P.content)
+    pp, rw, plan, cov = read_plan(P, metadata, P.content)
     S1 = pp.S1
     B, G, mb = pp.B, pp.G, pp.m_base
     off = rw.off
@@ -118,23 +118,29 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
 
     workspace = {}
     step = P.rows_per_block()
-    segs = list(walk(plan, rows_of))
     # Rows a core holds whole are final on that core.  A CPU has no cube cores to hand them to, so
     # the whole rows of every core are computed in one batched pass; the per-core ranges still
     # decide which rows are whole and which are split, and ``done`` still catches a row planned twice.
-    whole = [s for s in segs if not s.partial]
-    if whole:
-        ts, hs = zip(*(pairs(s.bn2, s.m) for s in whole))
-        t_all, h_all = torch.cat(ts), torch.cat(hs)
-        done.index_put_((t_all, h_all), torch.ones_like(t_all, dtype=torch.int32), accumulate=True)
-        sel = torch.zeros(R, H, dtype=torch.bool, device=dev)
-        sel[t_all, h_all] = True
-        t_lo, t_hi = int(t_all.min()), int(t_all.max()) + 1
+    if cov.whole.size:
+        # m-block m of batch b holds the (query, head) pairs base_b + [m mb, min((m + 1) mb, S1v G))
+        # of the flattened [R, H] rows (H = G: one KV head)
+        g = cov.whole
+        b = np.searchsorted(off, g, side="right") - 1
+        m = g - off[b]
+        base = (np.asarray(q_start, dtype=np.int64)[b] + np.asarray(S1, dtype=np.int64)[b] - rw.S1v[b]) * G
+        lo, hi = base + m * mb, base + np.minimum((m + 1) * mb, rw.S1v[b] * G)
+        edges = np.zeros(R * H + 1, dtype=np.int32)
+        np.add.at(edges, lo, 1)
+        np.add.at(edges, hi, -1)
+        count = torch.from_numpy(np.cumsum(edges[:-1], dtype=np.int32)).view(R, H).to(dev)
+        done += count
+        sel = count > 0
+        t_lo, t_hi = int(lo.min()) // H, int(hi.max() - 1) // H + 1
         for t0 in range(t_lo, t_hi, step):
             t1 = min(t_hi, t0 + step)
             (o, _), _ = attend_rows(t0, t1)
             out[t0:t1] = torch.where(sel[t0:t1, :, None], o, out[t0:t1])
-    for s in (s for s in segs if s.partial):                   # one partial state per split piece
+    for s in cov.partial:                                      # one partial state per split piece
         t, h = pairs(s.bn2, s.m)
         g = int(off[s.bn2]) + s.m
         t0, t1 = int(t.min()), int(t.max()) + 1
