@@ -24,21 +24,15 @@ def encode(p: Plan) -> torch.Tensor:
 
 def decode(table: torch.Tensor) -> Plan:
     """Table -> :class:`Plan` (enabled entries only)."""
-    v = [int(x) for x in table.detach().cpu().reshape(-1).tolist()]
-    if len(v) != TABLE_SIZE:
-        raise ValueError(f"metadata: expected {TABLE_SIZE} entries, got {len(v)}")
-    starts, ends, first_fd, fd = [], [], [], []
-    for i in range(FA_CORES):
-        e = v[8 * i:8 * i + 8]
-        if e[0] == 1:
-            starts.append(tuple(e[1:4]))
-            ends.append(tuple(e[4:7]))
-            first_fd.append(e[7])
-    for k in range(FD_CORES):
-        e = v[FD_BASE + 8 * k:FD_BASE + 8 * k + 8]
-        if e[0] == 1:
-            fd.append(tuple(e[1:7]))
-    return Plan(starts, ends, first_fd, fd)
+    v = table.detach().cpu().reshape(-1).to(torch.int64).numpy()
+    if v.size != TABLE_SIZE:
+        raise ValueError(f"metadata: expected {TABLE_SIZE} entries, got {v.size}")
+    fa = v[:FD_BASE].reshape(FA_CORES, 8)
+    fa = fa[fa[:, 0] == 1].tolist()
+    fd = v[FD_BASE:FD_BASE + 8 * FD_CORES].reshape(FD_CORES, 8)
+    fd = fd[fd[:, 0] == 1].tolist()
+    return Plan([tuple(e[1:4]) for e in fa], [tuple(e[4:7]) for e in fa], [e[7] for e in fa],
+                [tuple(e[1:7]) for e in fd])
 
 
 @dataclass
