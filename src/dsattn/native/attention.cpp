@@ -45,7 +45,9 @@ using dsattn_native::round_up;
 
 // exp(x) for x <= 0 (a score minus its row maximum), NaN propagated; Cephes' single-precision
 // range reduction and polynomial (about 1 ulp, like torch.exp).  Written so that the loops below
-// vectorise (no calls, no branches), compiled per ISA by target_clones.
+// vectorise (no calls, no branches), compiled per ISA by target_clones.  The AVX-512 clones
+// target x86-64-v4 (F + BW + VL), not bare AVX-512F: loops that mix fp32 lanes with 16-bit
+// stores (bf16 bits) need BW's 16-bit vector moves, or GCC leaves them scalar.
 inline float exp_nonpositive(float x) {
   const float lo = -87.33654f;                 // below: exp(x) < FLT_MIN, returned as 0
   const float xc = x < lo ? lo : x;
@@ -69,7 +71,7 @@ inline float exp_nonpositive(float x) {
 }
 
 // s[j, h] *= scale and m[h] = max(m[h], s[j, h]) over rows j < n (NaN propagates into m).
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void scale_and_max(float* __restrict__ s, int64_t n, int64_t Hp, float scale, float* __restrict__ m) {
   for (int64_t j = 0; j < n; ++j) {
     float* __restrict__ row = s + j * Hp;
@@ -82,7 +84,7 @@ void scale_and_max(float* __restrict__ s, int64_t n, int64_t Hp, float scale, fl
 }
 
 // s[j, h] = exp(s[j, h] - m[h]) and l[h] += s[j, h] over rows j < n.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void exp_and_sum(float* __restrict__ s, int64_t n, int64_t Hp, const float* __restrict__ m, float* __restrict__ l) {
   for (int64_t j = 0; j < n; ++j) {
     float* __restrict__ row = s + j * Hp;
@@ -101,7 +103,7 @@ inline uint16_t bf16_bits(float x) {              // round to nearest even, as c
 }
 
 // P [Hp, npad] from e = S^T [n, Hp]: p[h, j] = bf16(e[j, h]), 0 for the padded keys j >= n.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void p_from_scores_bf16(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, uint16_t* __restrict__ p) {
   constexpr int64_t T = 16;                        // tiles keep both sides in L1
   for (int64_t j0 = 0; j0 < n; j0 += T) {
@@ -113,7 +115,7 @@ void p_from_scores_bf16(const float* __restrict__ e, int64_t n, int64_t npad, in
 }
 
 // The same in fp32 (the fp32 GEMM path); round_bf16: P rounded to bf16 first (bf16 queries).
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void p_from_scores_f32(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, float* __restrict__ p,
                        bool round_bf16) {
   constexpr int64_t T = 16;
@@ -132,7 +134,7 @@ void p_from_scores_f32(const float* __restrict__ e, int64_t n, int64_t npad, int
 // cpublas::pack writes; the tests compare): key rows 2i and 2i+1 interleaved element by element.
 // This writes pair i of rows (a, b) into every 64-column panel of V [npad, Dp] (panel d0 starts at
 // d0 * npad).
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void pack_pair(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, int64_t Dp, int64_t npad, int64_t i,
                uint16_t* __restrict__ v) {
   for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
@@ -146,14 +148,14 @@ void pack_pair(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, i
 }
 
 // out[h, :] = o[h, :D] * inv[h], rounded to bf16 / kept in fp32.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void normalize_bf16(const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D,
                     uint16_t* __restrict__ out) {
   for (int64_t h = 0; h < H; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = bf16_bits(o[h * ldo + d] * inv[h]);
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void normalize_f32(const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D,
                    float* __restrict__ out) {
   for (int64_t h = 0; h < H; ++h)
@@ -360,24 +362,31 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
 // The element-wise part of the gradient for bf16 operands, rows j < n of S^T / dP^T [n, Hp]:
 // P = exp(scale S - lse) (lse +inf on padded heads: P = 0), dS = bf16(P (dP - Dsum)), round(P),
 // sink_dot[h] += P dP, psum[j] = sum_h P (the head mean's numerator).
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void gradient_terms_bf16(const float* __restrict__ s, const float* __restrict__ dp, int64_t n, int64_t Hp, float scale,
                          const float* __restrict__ lse, const float* __restrict__ dsum, float* __restrict__ ds_f32,
                          uint16_t* __restrict__ ds_bits, uint16_t* __restrict__ p_bits, float* __restrict__ sink_dot,
                          float* __restrict__ psum) {
+  // The head loop has no float sum in it (a sum would not vectorise without reassociation):
+  // P goes to ``prow`` and is summed afterwards, in order.
+  float prow[1024];
   for (int64_t j = 0; j < n; ++j) {
-    float acc = 0.0f;
-    for (int64_t h = 0; h < Hp; ++h) {
-      const int64_t at = j * Hp + h;
-      const float pv = exp_nonpositive(scale * s[at] - lse[h]);
-      const uint16_t ds = bf16_bits(pv * (dp[at] - dsum[h]));
-      ds_bits[at] = ds;
-      ds_f32[at] = __builtin_bit_cast(float, uint32_t(ds) << 16);
-      p_bits[at] = bf16_bits(pv);
-      sink_dot[h] += pv * dp[at];
-      acc += pv;
+    for (int64_t h0 = 0; h0 < Hp; h0 += 1024) {
+      const int64_t h1 = std::min(Hp, h0 + 1024);
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t at = j * Hp + h;
+        const float pv = exp_nonpositive(scale * s[at] - lse[h]);
+        const uint16_t ds = bf16_bits(pv * (dp[at] - dsum[h]));
+        ds_bits[at] = ds;
+        ds_f32[at] = __builtin_bit_cast(float, uint32_t(ds) << 16);
+        p_bits[at] = bf16_bits(pv);
+        sink_dot[h] += pv * dp[at];
+        prow[h - h0] = pv;
+      }
+      float acc = h0 == 0 ? 0.0f : psum[j];
+      for (int64_t h = h0; h < h1; ++h) acc += prow[h - h0];
+      psum[j] = acc;
     }
-    psum[j] = acc;
   }
 }
 
