@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..common.rope import rms_norm, rotary
@@ -392,19 +393,25 @@ class PagedBatch:
             self._ensure(self.cmp_pages, rid, length // 4 + 1)
             self.lengths[rid] = length
         B = len(requests) + pad
-        raw = torch.full((B, self.max_pages), 0, dtype=torch.int32)
-        cmpt = torch.full((B, self.max_pages), -1, dtype=torch.int32)
+        # (host bookkeeping in NumPy: one array op per step, not a few torch calls per request)
+        raw = np.zeros((B, self.max_pages), dtype=np.int32)
+        cmpt = np.full((B, self.max_pages), -1, dtype=np.int32)
         for b, rid in enumerate(requests):
-            raw[b, :len(self.raw_pages[rid])] = torch.tensor(self.raw_pages[rid], dtype=torch.int32)
-            cmpt[b, :len(self.cmp_pages[rid])] = torch.tensor(self.cmp_pages[rid], dtype=torch.int32)
+            raw[b, :len(self.raw_pages[rid])] = self.raw_pages[rid]
+            cmpt[b, :len(self.cmp_pages[rid])] = self.cmp_pages[rid]
         P, L, new_tokens = P + [0] * pad, L + [0] * pad, list(new_tokens) + [1] * pad
         cu = build_cu_seqlens_q_cpu("prefill", seq_lens_cpu=torch.tensor(new_tokens))
         used = build_seqused_kv_cpu(torch.tensor(L), B)              # padding: clamped to 1 key
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(P, new_tokens)]) if B else torch.zeros(0)
-        slots = torch.cat([raw[b, torch.arange(p, p + n) // cfg.page_size].long() * cfg.page_size
-                           + torch.arange(p, p + n) % cfg.page_size for b, (p, n) in enumerate(zip(P, new_tokens))])
+        # every new token's batch and position, then its window slot through the raw page table
+        n_new = np.asarray(new_tokens, dtype=np.int64)
+        tok_b = np.repeat(np.arange(B), n_new)
+        starts = np.cumsum(n_new) - n_new
+        pos = np.arange(int(n_new.sum()), dtype=np.int64) - starts[tok_b] + np.asarray(P, dtype=np.int64)[tok_b]
+        slots = raw[tok_b, pos // cfg.page_size].astype(np.int64) * cfg.page_size + pos % cfg.page_size
         if pad:
             slots[-pad:] = -1                                         # padding tokens write no window row
+        positions, slots = torch.from_numpy(pos), torch.from_numpy(slots)
+        raw, cmpt = torch.from_numpy(raw), torch.from_numpy(cmpt)
         plans = {}
         for r in ratios:
             if r == 0:

@@ -30,7 +30,9 @@ class RowView:
 class Rows:
     """Row records of all batches as flat int64 arrays; batch b owns ``[off[b], off[b+1])``."""
 
-    def __init__(self, pp: PlanParams):
+    def __init__(self, pp: PlanParams, costs: bool = True):
+        """``costs=False``: only the geometry an executor reads (offsets, blocks, s2 ranges, the
+        window's first key), not the cost model's arrays."""
         G, mb = pp.G, pp.m_base
         S1 = np.asarray(pp.S1, dtype=np.int64)
         S2 = np.asarray(pp.S2, dtype=np.int64)
@@ -61,6 +63,16 @@ class Rows:
         act = np.minimum(cmp_tok, pp.cmp_topk) if pp.is_scfa else cmp_tok
         cmp_end = np.where(act == 0, win_end, win_end + (act - 1) // S2_BASE + 1)
         cmp_tail = act % S2_BASE
+        self.win_end, self.cmp_end, self.win_tail, self.cmp_tail = win_end, cmp_end, win_tail, cmp_tail
+        self.first = first
+        self.S1v, self.S2 = S1v, S2
+        self.G, self.m_base, self.B = G, mb, pp.B
+        wb, cb = win_end, cmp_end - win_end
+        self.blocks = wb + cb
+        self.s2_start = np.where(wb > 0, 0, win_end)
+        self.s2_end = np.where(cb > 0, cmp_end, win_end)
+        if not costs:
+            return
         row_t = (idx == n_m[b] - 1) & (tail_g[b] != 0)
         tg = tail_g[b]
         full = _cost(mb, S2_BASE)
@@ -72,19 +84,13 @@ class Rows:
             return n, np.where(row_t, t_tt, t_nn)
         self.win_n, self.win_t = col_costs(win_tail)
         self.cmp_n, self.cmp_t = col_costs(cmp_tail)
-        wb, cb = win_end, cmp_end - win_end
         w_tail1, c_tail1 = (win_tail != 0).astype(np.int64), (cmp_tail != 0).astype(np.int64)
         wc = self.win_n * (wb - w_tail1) + self.win_t * w_tail1
         cc = self.cmp_n * (cb - c_tail1) + self.cmp_t * c_tail1
         w_last = np.where(w_tail1 == 1, self.win_t, self.win_n)
         c_last = np.where(c_tail1 == 1, self.cmp_t, self.cmp_n)
         self.cost = wc + cc
-        self.blocks = wb + cb
         self.lbc = np.where(cb > 0, c_last, w_last)
-        self.s2_start = np.where(wb > 0, 0, win_end)
-        self.s2_end = np.where(cb > 0, cmp_end, win_end)
-        self.win_end, self.cmp_end, self.win_tail, self.cmp_tail = win_end, cmp_end, win_tail, cmp_tail
-        self.first = first
         self.high_perf = np.zeros(pp.B, dtype=bool)
         if pp.high_perf_gate:
             self.high_perf = (S1v >= S2) | (S2 - S1v + 1 < pp.cmp_topk * pp.cmp_ratio)
@@ -96,8 +102,6 @@ class Rows:
             c = np.where(L < 2048, c - c // 18, c)
             c = np.where((L > 2048) & (L < 3392), c + c // 7, c)
             self.cost = np.where(hp, c, self.cost)
-        self.S1v, self.S2 = S1v, S2
-        self.G, self.m_base, self.B = G, mb, pp.B
 
     def views(self, bn2: int) -> list[RowView]:
         """Row records of batch ``bn2`` (N2 = 1) for :func:`dsattn.planner.table.walk`; [] past the end."""

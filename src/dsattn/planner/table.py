@@ -2,6 +2,7 @@
 of the plan invariants (§5)."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,8 +156,8 @@ def coverage(p: Plan, rw) -> Coverage:
     Positions are numbered as the walk moves: row m of batch b is global row ``off[b] + m``, a
     position past a batch's rows is the next batch's first row, and past the last batch is the
     end.  (Every row record starts at s2-block 0, so a row's blocks are ``[0, blocks)``.)"""
-    off, blocks, B = rw.off, rw.blocks, rw.B
-    R = int(off[-1])
+    off, blocks, B = rw.off.tolist(), rw.blocks, rw.B
+    R = off[-1]
 
     def position(t):
         b, m, s = t
@@ -164,11 +165,13 @@ def coverage(p: Plan, rw) -> Coverage:
             raise AssertionError(f"0: negative entry in the core range bound {t}")
         if b >= B:
             return R, 0
-        if m >= int(off[b + 1] - off[b]):
-            return int(off[b + 1]), 0
-        return int(off[b]) + m, s
+        if m >= off[b + 1] - off[b]:
+            return off[b + 1], 0
+        return off[b] + m, s
 
-    whole, partial = [], []
+    # rows held whole: the interiors of the cores' ranges as [lo, hi) bounds (summed into one
+    # mask at the end), and edge rows a core holds whole
+    lo_hi, single, partial = [], [], []
     for core, (start, end, first) in enumerate(zip(p.starts, p.ends, p.first_fd)):
         (gs, ss), (ge, se) = position(start), position(end)
         if (gs, ss) >= (ge, se):
@@ -176,21 +179,29 @@ def coverage(p: Plan, rw) -> Coverage:
         k = 0
         edges = [(gs, ss, se if ge == gs else int(blocks[gs]))] if gs < R else []
         if ge > gs:
-            whole.append(np.arange(gs + 1, ge))
+            lo_hi.append((gs + 1, ge))
             if ge < R and se > 0:
                 edges.append((ge, 0, se))
         for g, lo, hi in edges:
             if hi <= lo:
                 continue
             if lo > 0 or hi < blocks[g]:
-                b = int(np.searchsorted(off, g, side="right")) - 1
-                partial.append(Segment(core, b, g - int(off[b]), lo, hi, True, first + k))
+                b = bisect.bisect_right(off, g) - 1
+                partial.append(Segment(core, b, g - off[b], lo, hi, True, first + k))
                 k += 1
             else:
-                whole.append(np.array([g]))
-    rows = np.concatenate(whole) if whole else np.zeros(0, dtype=np.int64)
-    rows = np.sort(rows[blocks[rows] > 0])
-    return Coverage(rows, partial)
+                single.append(g)
+    held = np.zeros(R + 1, dtype=np.int64)
+    if lo_hi:
+        bounds = np.asarray(lo_hi, dtype=np.int64)
+        np.add.at(held, bounds[:, 0], 1)
+        np.add.at(held, bounds[:, 1], -1)
+    held = np.cumsum(held[:R])
+    np.add.at(held, np.asarray(single, dtype=np.int64), 1)
+    held[blocks == 0] = 0
+    # (a row held by two cores, which only a broken plan does, is listed twice: the executor's
+    # count of computed rows then catches it)
+    return Coverage(np.repeat(np.arange(R), held), partial)
 
 
 def check_coverage(p: Plan, rw, cov: Coverage, n_bn2: int, aic: int, aiv: int, support_fd: bool) -> None:

@@ -50,7 +50,7 @@ def read_plan(P: MlaProblem, metadata: torch.Tensor, check: bool):
     core holds whole, which it splits); ``check``: raise ValueError naming ``metadata`` when the
     plan does not fit the call (50 §5 invariants)."""
     pp = plan_params_for(P)
-    rw = Rows(pp)
+    rw = Rows(pp, costs=False)
     plan = decode(metadata)
     try:
         cov = coverage(plan, rw)
