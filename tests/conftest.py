@@ -41,6 +41,7 @@ def native_module():
 def gen():
     """A generator seeded fresh per test (inputs differ between runs, reproducible from the seed)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"gen: seed {seed}")          # pytest shows it under "Captured stdout setup" when the test fails
     g = torch.Generator().manual_seed(seed)
     return g
 
