@@ -390,6 +390,47 @@ void gradient_terms_bf16(const float* __restrict__ s, const float* __restrict__ 
   }
 }
 
+// The backward's per-row element loops, kept out of backward_rows (a template compiled for the
+// baseline ISA) so that they are compiled per ISA too.
+
+// dst[j, :D] += scale * a[j, :D] + b[j, :D] for the n rows j of two [n, Dp] fp32 blocks, into the
+// accumulator rows ``dst[j]`` (dK: the scaled dS^T q plus round(P)^T dO, as the golden sums them).
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void add_scaled_rows(float* const* __restrict__ dst, const float* __restrict__ a, const float* __restrict__ b,
+                     int64_t n, int64_t D, int64_t Dp, float scale) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* __restrict__ d = dst[j];
+    const float *aj = a + j * Dp, *bj = b + j * Dp;
+    for (int64_t k = 0; k < D; ++k) d[k] += scale * aj[k] + bj[k];
+  }
+}
+
+// out[h] = sum_d x[h, d] y[h, d] over bf16 rows [H, D], in 16 fp32 lanes (no reassociated sum).
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void row_dots_bf16(const uint16_t* __restrict__ x, const uint16_t* __restrict__ y, int64_t H, int64_t D,
+                   float* __restrict__ out) {
+  for (int64_t h = 0; h < H; ++h) {
+    float lanes[16] = {};
+    const uint16_t *xh = x + h * D, *yh = y + h * D;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16)
+      for (int64_t l = 0; l < 16; ++l)
+        lanes[l] += __builtin_bit_cast(float, uint32_t(xh[d + l]) << 16) *
+                    __builtin_bit_cast(float, uint32_t(yh[d + l]) << 16);
+    float acc = 0.0f;
+    for (int64_t l = 0; l < 16; ++l) acc += lanes[l];
+    for (; d < D; ++d) acc += __builtin_bit_cast(float, uint32_t(xh[d]) << 16) * __builtin_bit_cast(float, uint32_t(yh[d]) << 16);
+    out[h] = acc;
+  }
+}
+
+// dst [Hp, Dp] = src [H, D] zero padded (16-bit elements).
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void pad_rows16(const uint16_t* __restrict__ src, int64_t H, int64_t D, int64_t Hp, int64_t Dp, uint16_t* __restrict__ dst) {
+  for (int64_t h = 0; h < Hp; ++h)
+    for (int64_t d = 0; d < Dp; ++d) dst[h * Dp + d] = h < H && d < D ? src[h * D + d] : uint16_t(0);
+}
+
 // ---- backward (the golden's sparse_flash_mla_grad, dsattn/sparse_mla/ref.py) ----
 //
 // Per query row, over its gathered keys K [n, D] (K = V):
@@ -428,11 +469,13 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
       acc_sinks[tid] = at::zeros({H}, dsinks.options());
     }
     float* my_sinks = acc_sinks[tid].data_ptr<float>();
+    std::vector<float*> my_rows, dst_rows(width);                 // each source's accumulator, each key's row
+    for (auto& t : my) my_rows.push_back(t.data_ptr<float>());
     RowAttention<scalar_t, mm_t> work{H, D, Hp, Dp, scale, sinks};
     work.reserve(npad_max);
     std::vector<mm_t> do_b(Dp * Hp), q_pairs(Hp * Dp), do_pairs(Hp * Dp), q_plain(Hp * Dp), do_plain(Hp * Dp),
         ds_rows(npad_max * Hp), p_rows(npad_max * Hp), ds_t(Hp * npad_max);
-    std::vector<float> dp(npad_max * Hp), dsum(Hp), cq(Hp * Dp), ck(npad_max * Dp), dsf(npad_max * Hp),
+    std::vector<float> dp(npad_max * Hp), dsum(Hp), cq(Hp * Dp), ck(npad_max * Dp), ck2(npad_max * Dp), dsf(npad_max * Hp),
         sink_dot(Hp), lse_pad(Hp), psum(npad_max), scales(Hp, scale);
     std::vector<const scalar_t*> keys;
     std::vector<std::pair<int, int64_t>> where;      // (source, row) of each gathered key
@@ -470,11 +513,15 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
           brgemm(npad, w, Dp, Dp, Hp, Hp, false, work.keys, do_b.data() + h0, dp.data() + h0, false);
         }
       }
-      for (int64_t h = 0; h < Hp; ++h) {             // Dsum = rowsum(dO * O)
-        float acc_d = 0.0f;
-        if (h < H)
+      std::fill(dsum.begin(), dsum.end(), 0.0f);    // Dsum = rowsum(dO * O)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        row_dots_bf16(reinterpret_cast<const uint16_t*>(dor), reinterpret_cast<const uint16_t*>(orow), H, D, dsum.data());
+      } else {
+        for (int64_t h = 0; h < H; ++h) {
+          float acc_d = 0.0f;
           for (int64_t d = 0; d < D; ++d) acc_d += static_cast<float>(dor[h * D + d]) * static_cast<float>(orow[h * D + d]);
-        dsum[h] = acc_d;
+          dsum[h] = acc_d;
+        }
       }
       std::fill(sink_dot.begin(), sink_dot.end(), 0.0f);
       if constexpr (std::is_same_v<mm_t, at::BFloat16>) {
@@ -529,7 +576,10 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
           for (int64_t d = 0; d < D; ++d) dqr[h * D + d] = static_cast<scalar_t>(scale * cq[h * Dp + d]);
       }
       // dK = scale dS^T q + round(P)^T dO   (B = q, dO [Hp, Dp], by head pairs / plain)
-      for (int64_t h = 0; h < Hp; ++h)
+      if constexpr (std::is_same_v<scalar_t, mm_t> && sizeof(mm_t) == 2) {
+        pad_rows16(reinterpret_cast<const uint16_t*>(qr), H, D, Hp, Dp, reinterpret_cast<uint16_t*>(q_plain.data()));
+        pad_rows16(reinterpret_cast<const uint16_t*>(dor), H, D, Hp, Dp, reinterpret_cast<uint16_t*>(do_plain.data()));
+      } else for (int64_t h = 0; h < Hp; ++h)
         for (int64_t d = 0; d < Dp; ++d) {
           const bool in = h < H && d < D;
           if constexpr (std::is_same_v<scalar_t, mm_t>) {
@@ -541,7 +591,7 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
           }
         }
       // C[:, panel] (+)= A [npad, Hp] x B [Hp, Dp], B packed by head pairs first (16-bit operands)
-      auto dk_gemm = [&](const mm_t* a, std::vector<mm_t>& b_plain, std::vector<mm_t>& b_pairs, bool add) {
+      auto dk_gemm = [&](const mm_t* a, std::vector<mm_t>& b_plain, std::vector<mm_t>& b_pairs, std::vector<float>& c) {
         if constexpr (packed)
           for (int64_t i = 0; i < Hp / 2; ++i)
             pack_pair(reinterpret_cast<const uint16_t*>(b_plain.data() + 2 * i * Dp),
@@ -550,20 +600,15 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
         for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
           const int64_t w = std::min(PANEL, Dp - d0);
           if constexpr (packed)
-            brgemm(npad, w, Hp, Hp, w, Dp, add, a, b_pairs.data() + d0 * Hp, ck.data() + d0, true);
+            brgemm(npad, w, Hp, Hp, w, Dp, false, a, b_pairs.data() + d0 * Hp, c.data() + d0, true);
           else
-            brgemm(npad, w, Hp, Hp, Dp, Dp, add, a, b_plain.data() + d0, ck.data() + d0, false);
+            brgemm(npad, w, Hp, Hp, Dp, Dp, false, a, b_plain.data() + d0, c.data() + d0, false);
         }
       };
-      dk_gemm(ds_rows.data(), q_plain, q_pairs, false);          // dS^T q, then scaled as the golden does
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < Dp; ++d) ck[j * Dp + d] *= scale;
-      dk_gemm(p_rows.data(), do_plain, do_pairs, true);          // + round(P)^T dO
-      for (int64_t j = 0; j < n; ++j) {
-        float* dst = my[where[j].first].data_ptr<float>() + where[j].second * D;
-        const float* src = ck.data() + j * Dp;
-        for (int64_t d = 0; d < D; ++d) dst[d] += src[d];
-      }
+      dk_gemm(ds_rows.data(), q_plain, q_pairs, ck);            // dS^T q
+      dk_gemm(p_rows.data(), do_plain, do_pairs, ck2);          // round(P)^T dO
+      for (int64_t j = 0; j < n; ++j) dst_rows[j] = my_rows[where[j].first] + where[j].second * D;
+      add_scaled_rows(dst_rows.data(), ck.data(), ck2.data(), n, D, Dp, scale);   // scale dS^T q + round(P)^T dO
       // pmean is per key slot of the row's index tables: spread the gathered order back
       int64_t g = n;
       for (int64_t i = static_cast<int64_t>(tables.bases.size()) - 1, col = width; i >= 0; --i) {
