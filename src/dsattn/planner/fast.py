@@ -108,9 +108,12 @@ class Rows:
         if bn2 >= self.B:
             return []
         lo, hi = int(self.off[bn2]), int(self.off[bn2 + 1])
-        n_rows = int(self.S1v[bn2]) * self.G
-        return [RowView(int(a), int(b), int(n), min(self.m_base, n_rows - m * self.m_base))
+        return [RowView(int(a), int(b), int(n), self.m_size(bn2, m))
                 for m, (a, b, n) in enumerate(zip(self.s2_start[lo:hi], self.s2_end[lo:hi], self.blocks[lo:hi]))]
+
+    def m_size(self, bn2: int, m: int) -> int:
+        """Query (row, head) pairs in m-block ``m`` of batch ``bn2`` (the last one may be short)."""
+        return min(self.m_base, int(self.S1v[bn2]) * self.G - m * self.m_base)
 
     def block_costs(self, g: int, s2_from: int) -> np.ndarray:
         """Costs of blocks ``[s2_from, s2_end)`` of global row ``g``."""

@@ -140,6 +140,20 @@ def _check_fd(p: Plan, segs, m_size_of, aiv: int, support_fd: bool) -> None:
         assert pos == m_size, f"6: FD M ranges of {(bn2, m)} cover {pos} rows, the m-block has {m_size}"
 
 
+def _position(t, off: list, B: int) -> tuple[int, int]:
+    """Global (row, s2) of a core range bound ``t = (bn2, m, s2)`` as :func:`walk` moves: row m of
+    batch b is ``off[b] + m``, a position past a batch's rows is the next batch's first row, and
+    past the last batch is the end (row ``off[B]``)."""
+    b, m, s = t
+    if min(t) < 0:
+        raise AssertionError(f"0: negative entry in the core range bound {t}")
+    if b >= B:
+        return off[B], 0
+    if m >= off[b + 1] - off[b]:
+        return off[b + 1], 0
+    return off[b] + m, s
+
+
 @dataclass
 class Coverage:
     """A plan's work in the executor's terms: ``whole``, the global row records (``Rows``
@@ -152,22 +166,14 @@ class Coverage:
 def coverage(p: Plan, rw) -> Coverage:
     """:func:`walk` over the row arrays of a :class:`~dsattn.planner.fast.Rows`, vectorised: a
     core's range covers the tail of its first row, every row in between whole and the head of
-    its last row, so only the (at most two) edge rows of each core are looked at one by one.
-    Positions are numbered as the walk moves: row m of batch b is global row ``off[b] + m``, a
-    position past a batch's rows is the next batch's first row, and past the last batch is the
-    end.  (Every row record starts at s2-block 0, so a row's blocks are ``[0, blocks)``.)"""
+    its last row, so only the (at most two) edge rows of each core are looked at one by one
+    (positions: :func:`_position`).  (Every row record starts at s2-block 0, so a row's blocks
+    are ``[0, blocks)``.)"""
     off, blocks, B = rw.off.tolist(), rw.blocks, rw.B
     R = off[-1]
 
     def position(t):
-        b, m, s = t
-        if min(t) < 0:
-            raise AssertionError(f"0: negative entry in the core range bound {t}")
-        if b >= B:
-            return R, 0
-        if m >= off[b + 1] - off[b]:
-            return off[b + 1], 0
-        return off[b] + m, s
+        return _position(t, off, B)
 
     # rows held whole: the interiors of the cores' ranges as [lo, hi) bounds (summed into one
     # mask at the end), and edge rows a core holds whole
@@ -214,21 +220,15 @@ def check_coverage(p: Plan, rw, cov: Coverage, n_bn2: int, aic: int, aiv: int, s
     checker in one degenerate case only: a bound past its row's blocks where no block is
     covered twice, which no planner writes.)"""
     _check_chain(p, n_bn2, aic)
-    off, blocks, B = rw.off, rw.blocks, rw.B
+    off, blocks = rw.off.tolist(), rw.blocks
     cum = np.concatenate([[0], np.cumsum(blocks)])
-    R = int(off[-1])
 
     def block_of(t):
-        b, m, s = t
-        if b >= B:
-            return int(cum[R])
-        if m >= int(off[b + 1] - off[b]):
-            return int(cum[off[b + 1]])
-        g = int(off[b]) + m
-        assert s <= blocks[g], f"4: row {(b, m)} has blocks up to {int(blocks[g])} but a core range bound is {t}"
+        g, s = _position(t, off, rw.B)
+        if s:
+            assert s <= blocks[g], f"4: row {t[:2]} has blocks up to {int(blocks[g])} but a core range bound is {t}"
         return int(cum[g]) + s
 
     for core, (start, end) in enumerate(zip(p.starts, p.ends)):
         assert block_of(start) <= block_of(end), f"4: core {core} range {start} -> {end} runs backwards"
-    _check_fd(p, cov.partial, lambda bn2, m: min(rw.m_base, int(rw.S1v[bn2]) * rw.G - m * rw.m_base), aiv,
-              support_fd)
+    _check_fd(p, cov.partial, rw.m_size, aiv, support_fd)
