@@ -102,6 +102,8 @@ inline uint16_t bf16_bits(float x) {              // round to nearest even, as c
   return x != x ? uint16_t(0x7FC0) : static_cast<uint16_t>(r);
 }
 
+inline float bf16_float(uint16_t bits) { return __builtin_bit_cast(float, uint32_t(bits) << 16); }   // exact
+
 // P [Hp, npad] from e = S^T [n, Hp]: p[h, j] = bf16(e[j, h]), 0 for the padded keys j >= n.
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void p_from_scores_bf16(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, uint16_t* __restrict__ p) {
@@ -124,7 +126,7 @@ void p_from_scores_f32(const float* __restrict__ e, int64_t n, int64_t npad, int
     for (int64_t h = 0; h < Hp; ++h)
       for (int64_t j = j0; j < j1; ++j) {
         const float x = e[j * Hp + h];
-        p[h * npad + j] = round_bf16 ? __builtin_bit_cast(float, uint32_t(bf16_bits(x)) << 16) : x;
+        p[h * npad + j] = round_bf16 ? bf16_float(bf16_bits(x)) : x;
       }
   }
   for (int64_t h = 0; h < Hp; ++h) std::fill(p + h * npad + n, p + (h + 1) * npad, 0.0f);
@@ -378,7 +380,7 @@ void gradient_terms_bf16(const float* __restrict__ s, const float* __restrict__ 
         const float pv = exp_nonpositive(scale * s[at] - lse[h]);
         const uint16_t ds = bf16_bits(pv * (dp[at] - dsum[h]));
         ds_bits[at] = ds;
-        ds_f32[at] = __builtin_bit_cast(float, uint32_t(ds) << 16);
+        ds_f32[at] = bf16_float(ds);
         p_bits[at] = bf16_bits(pv);
         sink_dot[h] += pv * dp[at];
         prow[h - h0] = pv;
@@ -415,11 +417,10 @@ void row_dots_bf16(const uint16_t* __restrict__ x, const uint16_t* __restrict__ 
     int64_t d = 0;
     for (; d + 16 <= D; d += 16)
       for (int64_t l = 0; l < 16; ++l)
-        lanes[l] += __builtin_bit_cast(float, uint32_t(xh[d + l]) << 16) *
-                    __builtin_bit_cast(float, uint32_t(yh[d + l]) << 16);
+        lanes[l] += bf16_float(xh[d + l]) * bf16_float(yh[d + l]);
     float acc = 0.0f;
     for (int64_t l = 0; l < 16; ++l) acc += lanes[l];
-    for (; d < D; ++d) acc += __builtin_bit_cast(float, uint32_t(xh[d]) << 16) * __builtin_bit_cast(float, uint32_t(yh[d]) << 16);
+    for (; d < D; ++d) acc += bf16_float(xh[d]) * bf16_float(yh[d]);
     out[h] = acc;
   }
 }
