@@ -80,12 +80,18 @@ def _native_operands(src, flat, addr, mask):
     return rows.reshape(r * w, rows.size(-1)).contiguous(), torch.where(mask, index, torch.full((), -1, device=mask.device))
 
 
+def _native_block_rows(P: MlaProblem, R: int) -> int:
+    """Query rows per call of the compiled kernels: their int64 index tables (plus the key
+    addresses built for them, about 24 bytes per key slot) stay within 32 MiB."""
+    return max(1, min(R, (32 << 20) // (max(1, P.ori_width + P.cmp_width) * 24)))
+
+
 def _forward_native(P: MlaProblem, module, flat, out, lse) -> None:
     """Rows in blocks: the key addresses of a block (flat row numbers, -1 = no key) go to the
     compiled kernel, which gathers, attends and writes each row (dsattn/native/attention.cpp)."""
     qf = P.rows.flat(P.q)
     R = qf.size(0)
-    step = max(1, min(R, (32 << 20) // (max(1, P.ori_width + P.cmp_width) * 24)))
+    step = _native_block_rows(P, R)
     sinks = None if P.sinks is None else P.sinks.float()
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
@@ -238,7 +244,7 @@ def _backward_native(P: MlaProblem, module, flat, qf, dof, of, lse_rows) -> tupl
     sinks = None if P.sinks is None else P.sinks.float()
     cmp_l1 = torch.zeros(R, P.cmp_idx.size(1), dtype=sdt, device=dev) if P.cmp_idx is not None else None
     ori_l1 = torch.zeros(R, P.ori_idx.size(1), dtype=sdt, device=dev) if P.ori_idx is not None else None
-    step = max(1, min(R, (32 << 20) // (max(1, P.ori_width + P.cmp_width) * 24)))
+    step = _native_block_rows(P, R)
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
         k = P.keys(t0, t1)
