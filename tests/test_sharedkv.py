@@ -93,6 +93,10 @@ def test_errors():
         attn(c.q, metadata=torch.zeros(1024), **kw)
     with pytest.raises(ValueError, match="^metadata"):
         attn(c.q, metadata=torch.zeros(512, dtype=torch.int32), **kw)
+    bad = cases.sharedkv_plan(c, 4, 4, False).clone()
+    bad[2] = -1                                                # a negative row in core 0's range
+    with pytest.raises(ValueError, match="^metadata.*negative"):
+        attn(c.q, **dict(kw, metadata=bad))
     with pytest.raises(ValueError, match="^layout_kv"):
         attn(c.q, **dict(kw, layout_kv="BSND"))
     with pytest.raises(ValueError, match="^metadata"):                  # K = 8 is not a plannable cmp_topk
