@@ -40,6 +40,7 @@ using at::native::cpublas::brgemm_release;
 using at::native::cpublas::could_pack;
 
 constexpr int64_t KEY_ALIGN = 64;  // the key count is padded to a multiple of this
+constexpr int64_t DK_CHUNK = 128;  // keys per dK GEMM in the backward (a multiple of KEY_ALIGN)
 using dsattn_native::PANEL;
 using dsattn_native::round_up;
 
@@ -105,31 +106,35 @@ inline uint16_t bf16_bits(float x) {              // round to nearest even, as c
 inline float bf16_float(uint16_t bits) { return __builtin_bit_cast(float, uint32_t(bits) << 16); }   // exact
 
 // P [Hp, npad] from e = S^T [n, Hp]: p[h, j] = bf16(e[j, h]), 0 for the padded keys j >= n.
+// Transposed 16 x 16 at a time through a tile in L1 (each P row then gets 16 keys per store).
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void p_from_scores_bf16(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, uint16_t* __restrict__ p) {
-  constexpr int64_t T = 16;                        // tiles keep both sides in L1
-  for (int64_t j0 = 0; j0 < n; j0 += T) {
-    const int64_t j1 = std::min(n, j0 + T);
-    for (int64_t h = 0; h < Hp; ++h)
-      for (int64_t j = j0; j < j1; ++j) p[h * npad + j] = bf16_bits(e[j * Hp + h]);
+  constexpr int64_t T = 16;
+  alignas(64) float tile[T * T];
+  const int64_t n16 = n / T * T;
+  for (int64_t j0 = 0; j0 < n16; j0 += T)
+    for (int64_t h0 = 0; h0 < Hp; h0 += T) {
+      dsattn_native::transpose32(e + j0 * Hp + h0, Hp, T, T, tile, T);   // tile[h, j]
+      for (int64_t h = 0; h < T; ++h)
+        for (int64_t j = 0; j < T; ++j) p[(h0 + h) * npad + j0 + j] = bf16_bits(tile[h * T + j]);
+    }
+  for (int64_t h = 0; h < Hp; ++h) {
+    for (int64_t j = n16; j < n; ++j) p[h * npad + j] = bf16_bits(e[j * Hp + h]);
+    std::fill(p + h * npad + n, p + (h + 1) * npad, uint16_t(0));
   }
-  for (int64_t h = 0; h < Hp; ++h) std::fill(p + h * npad + n, p + (h + 1) * npad, uint16_t(0));
 }
 
 // The same in fp32 (the fp32 GEMM path); round_bf16: P rounded to bf16 first (bf16 queries).
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void p_from_scores_f32(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, float* __restrict__ p,
                        bool round_bf16) {
-  constexpr int64_t T = 16;
-  for (int64_t j0 = 0; j0 < n; j0 += T) {
-    const int64_t j1 = std::min(n, j0 + T);
-    for (int64_t h = 0; h < Hp; ++h)
-      for (int64_t j = j0; j < j1; ++j) {
-        const float x = e[j * Hp + h];
-        p[h * npad + j] = round_bf16 ? bf16_float(bf16_bits(x)) : x;
-      }
+  dsattn_native::transpose32(e, Hp, n, Hp, p, npad);
+  for (int64_t h = 0; h < Hp; ++h) {
+    float* __restrict__ row = p + h * npad;
+    if (round_bf16)
+      for (int64_t j = 0; j < n; ++j) row[j] = bf16_float(bf16_bits(row[j]));
+    std::fill(row + n, row + npad, 0.0f);
   }
-  for (int64_t h = 0; h < Hp; ++h) std::fill(p + h * npad + n, p + (h + 1) * npad, 0.0f);
 }
 
 // The ukernel's packed B layout for 16-bit operands is [K/2][w][2] per panel of w columns (what
@@ -476,7 +481,7 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
     work.reserve(npad_max);
     std::vector<mm_t> do_b(Dp * Hp), q_pairs(Hp * Dp), do_pairs(Hp * Dp), q_plain(Hp * Dp), do_plain(Hp * Dp),
         ds_rows(npad_max * Hp), p_rows(npad_max * Hp), ds_t(Hp * npad_max);
-    std::vector<float> dp(npad_max * Hp), dsum(Hp), cq(Hp * Dp), ck(npad_max * Dp), ck2(npad_max * Dp), dsf(npad_max * Hp),
+    std::vector<float> dp(npad_max * Hp), dsum(Hp), cq(Hp * Dp), ck(DK_CHUNK * Dp), ck2(DK_CHUNK * Dp), dsf(npad_max * Hp),
         sink_dot(Hp), lse_pad(Hp), psum(npad_max), scales(Hp, scale);
     std::vector<const scalar_t*> keys;
     std::vector<std::pair<int, int64_t>> where;      // (source, row) of each gathered key
@@ -591,25 +596,35 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
             do_plain[h * Dp + d] = in ? static_cast<mm_t>(static_cast<float>(dor[h * D + d])) : mm_t(0);
           }
         }
-      // C[:, panel] (+)= A [npad, Hp] x B [Hp, Dp], B packed by head pairs first (16-bit operands)
-      auto dk_gemm = [&](const mm_t* a, std::vector<mm_t>& b_plain, std::vector<mm_t>& b_pairs, std::vector<float>& c) {
-        if constexpr (packed)
-          for (int64_t i = 0; i < Hp / 2; ++i)
-            pack_pair(reinterpret_cast<const uint16_t*>(b_plain.data() + 2 * i * Dp),
-                      reinterpret_cast<const uint16_t*>(b_plain.data() + (2 * i + 1) * Dp), Dp, Hp, i,
-                      reinterpret_cast<uint16_t*>(b_pairs.data()));
+      if constexpr (packed)                                     // B = q, dO by head pairs
+        for (int64_t i = 0; i < Hp / 2; ++i) {
+          const auto pair = [&](const std::vector<mm_t>& plain, std::vector<mm_t>& pairs) {
+            pack_pair(reinterpret_cast<const uint16_t*>(plain.data() + 2 * i * Dp),
+                      reinterpret_cast<const uint16_t*>(plain.data() + (2 * i + 1) * Dp), Dp, Hp, i,
+                      reinterpret_cast<uint16_t*>(pairs.data()));
+          };
+          pair(q_plain, q_pairs);
+          pair(do_plain, do_pairs);
+        }
+      // C [m, Dp] = A [m, Hp] x B [Hp, Dp] for the m keys of one chunk
+      auto dk_gemm = [&](int64_t m, const mm_t* a, const std::vector<mm_t>& b_plain, const std::vector<mm_t>& b_pairs,
+                         float* c) {
         for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
           const int64_t w = std::min(PANEL, Dp - d0);
           if constexpr (packed)
-            brgemm(npad, w, Hp, Hp, w, Dp, false, a, b_pairs.data() + d0 * Hp, c.data() + d0, true);
+            brgemm(m, w, Hp, Hp, w, Dp, false, a, b_pairs.data() + d0 * Hp, c + d0, true);
           else
-            brgemm(npad, w, Hp, Hp, Dp, Dp, false, a, b_plain.data() + d0, c.data() + d0, false);
+            brgemm(m, w, Hp, Hp, Dp, Dp, false, a, b_plain.data() + d0, c + d0, false);
         }
       };
-      dk_gemm(ds_rows.data(), q_plain, q_pairs, ck);            // dS^T q
-      dk_gemm(p_rows.data(), do_plain, do_pairs, ck2);          // round(P)^T dO
       for (int64_t j = 0; j < n; ++j) dst_rows[j] = my_rows[where[j].first] + where[j].second * D;
-      add_scaled_rows(dst_rows.data(), ck.data(), ck2.data(), n, D, Dp, scale);   // scale dS^T q + round(P)^T dO
+      // a chunk of keys at a time, so that both products and the rows they are added to stay in L2
+      for (int64_t j0 = 0; j0 < n; j0 += DK_CHUNK) {
+        const int64_t m = std::min(DK_CHUNK, npad - j0);       // (npad and DK_CHUNK: multiples of 64)
+        dk_gemm(m, ds_rows.data() + j0 * Hp, q_plain, q_pairs, ck.data());    // dS^T q
+        dk_gemm(m, p_rows.data() + j0 * Hp, do_plain, do_pairs, ck2.data());  // round(P)^T dO
+        add_scaled_rows(dst_rows.data() + j0, ck.data(), ck2.data(), std::min(m, n - j0), D, Dp, scale);
+      }
       // pmean is per key slot of the row's index tables: spread the gathered order back
       int64_t g = n;
       for (int64_t i = static_cast<int64_t>(tables.bases.size()) - 1, col = width; i >= 0; --i) {

@@ -5,6 +5,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -25,32 +27,91 @@ constexpr int64_t PANEL = 64;  // a packed B panel of oneDNN's ukernel is 16, 32
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// ---- 32-bit transposes (packing GEMM operands) ----
+//
+// A row-major operand read column by column writes (or reads) one cache line per element; a
+// query row's q^T panel is 64 KB, larger than L1, so the naive loop waited on L2 for every word.
+// 16 x 16 tiles are transposed in registers instead.
+
+// dst[c, r] = src[r, c] for one 16 x 16 tile: 32-bit pairs, then 64-bit pairs, then 128-bit lanes.
+__attribute__((target("avx512f"))) inline void transpose_tile16_avx512(const uint32_t* src, int64_t ls, uint32_t* dst,
+                                                                      int64_t ld) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ls);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // now r[4i + k], 128-bit lane L, holds column 4L + k of rows 4i .. 4i + 3
+  for (int i = 0; i < 2; ++i)
+    for (int k = 0; k < 4; ++k) {
+      t[8 * i + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0x88);
+      t[8 * i + 4 + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * ld, r[i]);
+}
+
+inline void transpose_tile16_scalar(const uint32_t* src, int64_t ls, uint32_t* dst, int64_t ld) {
+  for (int64_t r0 = 0; r0 < 16; r0 += 4)            // 4-row strips: each dst line is written 4 words at a time
+    for (int64_t c = 0; c < 16; ++c)
+      for (int64_t r = r0; r < r0 + 4; ++r) dst[c * ld + r] = src[r * ls + c];
+}
+
+// dst[c * ld + r] = src[r * ls + c] for r < rows, c < cols (32-bit elements): 16 x 16 tiles where
+// they fit (in registers on AVX-512), element by element at the edges.
+inline void transpose_words(const uint32_t* src, int64_t ls, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
+  using Tile = void (*)(const uint32_t*, int64_t, uint32_t*, int64_t);
+  static const Tile tile = __builtin_cpu_supports("avx512f") ? transpose_tile16_avx512 : transpose_tile16_scalar;
+  const int64_t r16 = rows / 16 * 16, c16 = cols / 16 * 16;
+  for (int64_t r = 0; r < r16; r += 16)
+    for (int64_t c = 0; c < c16; c += 16) tile(src + r * ls + c, ls, dst + c * ld + r, ld);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = r < r16 ? c16 : 0; c < cols; ++c) dst[c * ld + r] = src[r * ls + c];
+}
+
+template <typename T>
+inline void transpose32(const T* src, int64_t ls, int64_t rows, int64_t cols, T* dst, int64_t ld) {
+  static_assert(sizeof(T) == 4, "32-bit elements");
+  transpose_words(reinterpret_cast<const uint32_t*>(src), ls, rows, cols, reinterpret_cast<uint32_t*>(dst), ld);
+}
+
 // q^T [Dp, Hp] of one query row q [H, D] (zero padded) as a GEMM's B operand: for 16-bit operands
 // the ukernel's packed panels, [Dp/2][w][2] for each 64-head panel (panel h0 starts at h0 * Dp;
-// a pair of q's dims is one 32-bit word per head, copied as such), else plain fp32 [Dp][Hp].
+// a pair of q's dims is one 32-bit word per head, so a panel is the transpose of q's words),
+// else plain fp32 [Dp][Hp].
 template <typename scalar_t, typename mm_t>
 void pack_query(const scalar_t* q, int64_t H, int64_t D, int64_t Hp, int64_t Dp, mm_t* out) {
+  const bool padded = H != Hp || D != Dp;
   if constexpr (std::is_same_v<mm_t, float>) {
-    std::fill(out, out + Dp * Hp, 0.0f);
-    for (int64_t h = 0; h < H; ++h)                 // (reads along q's rows)
-      for (int64_t d = 0; d < D; ++d) out[d * Hp + h] = static_cast<float>(q[h * D + d]);
+    if (padded) std::fill(out, out + Dp * Hp, 0.0f);
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      transpose32(q, D, H, D, out, Hp);
+    } else {
+      for (int64_t h = 0; h < H; ++h)               // (reads along q's rows)
+        for (int64_t d = 0; d < D; ++d) out[d * Hp + h] = static_cast<float>(q[h * D + d]);
+    }
   } else {
     static_assert(std::is_same_v<scalar_t, mm_t>, "16-bit GEMM operands are the query dtype");
-    std::fill(out, out + Dp * Hp, mm_t(0));
-    for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
-      const int64_t w = std::min(PANEL, Hp - h0);
+    if (padded) std::fill(out, out + Dp * Hp, mm_t(0));
+    for (int64_t h0 = 0; h0 < Hp && h0 < H; h0 += PANEL) {
+      const int64_t w = std::min(PANEL, Hp - h0), heads = std::min(w, H - h0);
       mm_t* panel = out + h0 * Dp;
-      for (int64_t c = 0; c < w && h0 + c < H; ++c) {
-        const scalar_t* row = q + (h0 + c) * D;
-        if (D % 2 == 0) {
-          for (int64_t k = 0; k < D / 2; ++k) {
-            uint32_t word;
-            std::memcpy(&word, row + 2 * k, sizeof word);
-            std::memcpy(panel + (k * w + c) * 2, &word, sizeof word);
-          }
-        } else {
-          for (int64_t d = 0; d < D; ++d) panel[((d / 2) * w + c) * 2 + d % 2] = row[d];
-        }
+      if (D % 2 == 0) {
+        transpose_words(reinterpret_cast<const uint32_t*>(q + h0 * D), D / 2, heads, D / 2,
+                        reinterpret_cast<uint32_t*>(panel), w);
+      } else {
+        for (int64_t c = 0; c < heads; ++c)
+          for (int64_t d = 0; d < D; ++d) panel[((d / 2) * w + c) * 2 + d % 2] = q[(h0 + c) * D + d];
       }
     }
   }
