@@ -7,7 +7,7 @@ keys, and the scores against float64 math."""
 import pytest
 import torch
 
-from dsattn import cases, native, ops, reference, verify
+from dsattn import cases, native, ops, reference, testing, verify
 from dsattn.indexer import fast as indexer_fast
 from dsattn.sparse_mla import fast
 
@@ -176,3 +176,57 @@ def test_indexer_topk_rejects_pages_out_of_range(native_module):
         module.indexer_topk(q, keys, *args, torch.tensor([9]), w, 4)    # a third page
     with pytest.raises(RuntimeError, match="keys"):
         module.indexer_topk(q, keys.float(), *args, torch.tensor([6]), w, 4)
+
+
+@pytest.mark.parametrize("cache_mode", [1, 2])
+@pytest.mark.parametrize("packed", [False, True], ids=["3D", "2D"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("combo", [(64, 2, 4), (32, 1, 16)], ids=["coff2-r4", "coff1-r16"])
+@pytest.mark.parametrize("pool_path", ["native", "torch"])
+def test_compressor_pool_equals_golden(pool_path, combo, dtype, packed, cache_mode, monkeypatch, native_module):
+    """The compressor's pooling (dsattn/native/compressor.cpp) and the PyTorch gathers it replaces, in both
+    the inference op and the training op's forward: ragged batches starting mid-group (state rows read
+    back), tails, unbacked locations, NaN in every state row the call must not read."""
+    from types import SimpleNamespace
+    from dsattn.compressor import fast as compressor_fast
+    calls = []
+    if pool_path == "torch":
+        monkeypatch.setattr(compressor_fast, "native", SimpleNamespace(load=lambda: None))
+    else:
+        if native_module is None:
+            pytest.skip(f"no compiled layer here: {native.status()}")
+
+        def counted(*a):
+            calls.append(1)
+            return native_module.compressor_pool(*a)
+        monkeypatch.setattr(compressor_fast, "native", SimpleNamespace(load=lambda: SimpleNamespace(
+            compressor_pool=counted)))
+    D, coff, r = combo
+    case = cases.compressor_case(D=D, coff=coff, r=r, H=24, dtype=dtype, packed=packed, cache_mode=cache_mode,
+                                 starts=(0, 2 * r + 1, 3, r), lengths=(3 * r + 1, r + 2, 0, 1), rope_head_dim=16,
+                                 seed=int(torch.randint(0, 2**31 - 1, ()).item()), block_size=8)
+    args, kw = case.inference_args()
+    got = ops.compressor_inference(*args, **kw)
+    want = reference.compressor_inference(*case.inference_args()[0], compute_dtype=torch.float64, **kw)
+    assert not got.isnan().any()
+    assert testing.compare(got, want.to(got.dtype)), testing.compare(got, want.to(got.dtype))
+    x, wkv, wgate, state, ape, rr = case.clone_args()
+    out = ops.compressor(x, wkv, wgate, state, ape, rr, **case.kwargs)
+    want_c = reference.compressor(*case.clone_args(), compute_dtype=torch.float64, **case.kwargs)
+    assert not out.isnan().any()
+    assert testing.compare(out, want_c.to(out.dtype)), testing.compare(out, want_c.to(out.dtype))
+    assert len(calls) == (2 if pool_path == "native" else 0)
+
+
+def test_compressor_pool_rejects_rows_outside_its_sources(native_module):
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    kv = torch.randn(4, 8)
+    kind = torch.ones(1, 2, dtype=torch.long)
+    at = torch.tensor([[0, 4]])
+    with pytest.raises(RuntimeError, match="new_at"):
+        native_module.compressor_pool(kv, kv, torch.zeros(0, 8), kind, at, torch.zeros_like(at),
+                                      torch.ones(1, dtype=torch.bool), 1, 8)
+    with pytest.raises(RuntimeError, match="state_at"):
+        native_module.compressor_pool(kv, kv, torch.zeros(2, 8), kind + 1, torch.zeros_like(at), at - 3,
+                                      torch.ones(1, dtype=torch.bool), 1, 8)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..common.paged import write_rows
 from .problem import CompressorProblem
 
@@ -92,6 +93,15 @@ def pool(pb: CompressorProblem, kv_new, sc_new, o0: int, o1: int, save: bool):
     hist = live & (pos < sp)
     x_row = torch.where(new, pb.base[ob][:, None] + pos - sp, torch.zeros_like(pos))
     loc, _ = pb.state_location(ob[:, None], pos, hist, reading=True)
+    module = None if save or kv_new.device.type != "cpu" else native.load()
+    if module is not None:        # the pooling in one compiled call (dsattn/native/compressor.cpp)
+        half = _slot_half(pb)
+        # slot kinds as _gather_slots picks them: 0 dead, 1 new token, 2 state row (when there is a state)
+        kind = live.long() + hist.long() if pb.state.numel() > 0 else live.long()
+        C = module.compressor_pool(kv_new, sc_new, pb.state.reshape(-1, pb.D), kind,
+                                   (x_row * coff + half).contiguous(), (loc * (2 * coff) + half).contiguous(),
+                                   valid.contiguous(), coff, pb.D)
+        return C, valid, None
     kv, sc = _gather_slots(pb, kv_new, sc_new, x_row, loc, hist, live, valid)
     W = torch.softmax(sc, dim=1)
     C = (W * kv).sum(1)

@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 
-_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp")
+_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp")
 _HEADERS = ("common.h",)
 _state: dict = {}
 
@@ -147,4 +147,4 @@ def status() -> str:
     module = load()
     if module is None:
         return f"native: unavailable ({_state.get('error')}): PyTorch / NumPy paths"
-    return "native: loaded (C++ planner, CPU attention forward and backward, CPU indexer)"
+    return "native: loaded (C++ planner, CPU attention forward and backward, CPU indexer, CPU compressor pooling)"

@@ -26,6 +26,10 @@ std::vector<torch::Tensor> indexer_topk(const torch::Tensor& q, const torch::Ten
                                         int64_t page, const torch::Tensor& batch, const torch::Tensor& n,
                                         const torch::Tensor& w, int64_t topk);
 
+at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Tensor& state,
+                           const at::Tensor& kind, const at::Tensor& new_at, const at::Tensor& state_at,
+                           const at::Tensor& valid, int64_t coff, int64_t D);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dsattn's compiled kernel layer";
   m.def("plan_table", &plan_table, "the metadata plan table (spec 50) from CPU int32 length mirrors");
@@ -38,5 +42,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_gemm", &attention_gemm, "which GEMM the forward runs for a query dtype: packed or fp32");
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
   m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys");
+  m.def("compressor_pool", &compressor_pool, "the compressor's gated softmax pooling of output rows over their slots");
   m.def("plan_lengths", &plan_lengths, "the metadata plan table for explicit per-batch lengths");
 }
