@@ -69,6 +69,9 @@ def describe() -> str:
                                 "vectorised PyTorch"),
              "CPU attention backward: " + ("compiled (dsattn/native/attention.cpp), the same GEMM dispatch"
                                            if native.kernels() is not None else "vectorised PyTorch"),
+             "CPU compressor pooling: " + ("compiled (dsattn/native/compressor.cpp): each output row's gated softmax "
+                                          "over its slots in one call" if native.load() is not None else
+                                          "vectorised PyTorch"),
              f"metadata planner: {native.status()}"
              + ("" if native.load() is not None else "; the NumPy fast planner runs")]
     return "\n".join(lines)
