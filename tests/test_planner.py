@@ -376,3 +376,53 @@ def test_native_and_numpy_planners_reject_lengths_alike(over, monkeypatch, nativ
         meta(**kw)
     assert type(compiled.value) is type(numpy_path.value) is ValueError
     assert str(compiled.value) == str(numpy_path.value), (compiled.value, numpy_path.value)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_native_plan_reading_equals_numpy(chunk, native_module):
+    """The executor's compiled reading of a plan (``plan_coverage``: row geometry, whole rows, partial
+    pieces, FD entries, the first violated invariant) equals the NumPy reading (``Rows``, ``decode``,
+    ``coverage``, ``check_coverage``) on random workloads and on tables with one entry changed
+    (enable flags and negative values included): the same arrays, or the same message."""
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    from dsattn.planner.params import FA_CORES, FD_CORES
+    rng = random.Random(900 + chunk)
+    rejected = 0
+    for n in range(40):
+        args = dict(random_workload(rng))
+        pp = plan_params(args.pop("num_heads_q"), args.pop("num_heads_kv"), args.pop("head_dim"), **args)
+        t = table.encode(fast.plan(pp))
+        for trial in range(5):
+            tt = t.clone()
+            if trial:
+                i = rng.choice([8 * c + f for c in range(4) for f in range(8)] +
+                               [table.FD_BASE + 8 * c + f for c in range(3) for f in range(7)])
+                tt[i] = int(tt[i]) + rng.choice([-2, -1, 1, 2])
+            for check in (False, True):
+                want = want_err = got = got_err = None
+                try:
+                    rw, plan = fast.Rows(pp, costs=False), table.decode(tt)
+                    cov = table.coverage(plan, rw)
+                    if check:
+                        table.check_coverage(plan, rw, cov, pp.B, FA_CORES, FD_CORES, bool(plan.fd) or any(
+                            s[2] for s in plan.starts) or any(e[2] for e in plan.ends))
+                    want = (rw, plan.fd, cov)
+                except AssertionError as e:
+                    want_err = str(e)
+                try:
+                    got = native_planner.read_plan(native_module, tt, pp, check)
+                except AssertionError as e:
+                    got_err = str(e)
+                where = f"workload {chunk}/{n} trial {trial} check {check}"
+                assert got_err == want_err, where
+                rejected += want_err is not None
+                if want is None:
+                    continue
+                (rw, fd, cov), (grw, gfd, gcov) = want, got
+                for name in ("off", "S1v", "first", "win_end", "s2_start", "s2_end", "blocks"):
+                    assert getattr(grw, name).tolist() == getattr(rw, name).tolist(), f"{where}: {name}"
+                assert gfd == [tuple(e) for e in fd], where
+                assert gcov.whole.tolist() == cov.whole.tolist(), where
+                assert gcov.partial == cov.partial, where
+    assert rejected > 20, rejected

@@ -30,6 +30,10 @@ at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, c
                            const at::Tensor& kind, const at::Tensor& new_at, const at::Tensor& state_at,
                            const at::Tensor& valid, int64_t coff, int64_t D);
 
+std::tuple<std::vector<torch::Tensor>, std::string> plan_coverage(
+    const torch::Tensor& table, int64_t num_heads_q, std::vector<int64_t> S1, std::vector<int64_t> S2, bool has_cmp,
+    int64_t cmp_topk, int64_t cmp_ratio, int64_t ori_mask_mode, int64_t ori_win_left, bool check);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dsattn's compiled kernel layer";
   m.def("plan_table", &plan_table, "the metadata plan table (spec 50) from CPU int32 length mirrors");
@@ -43,5 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
   m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys");
   m.def("compressor_pool", &compressor_pool, "the compressor's gated softmax pooling of output rows over their slots");
+  m.def("plan_coverage", &plan_coverage,
+        "a plan table read for a call: row geometry, whole rows, partial pieces, FD entries, first violated invariant");
   m.def("plan_lengths", &plan_lengths, "the metadata plan table for explicit per-batch lengths");
 }

@@ -9,7 +9,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <map>
+#include <tuple>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -512,6 +515,92 @@ std::vector<i64> diffs(const std::string& arg, const std::vector<i64>& cu) {
   return out;
 }
 
+// ---- reading a plan (dsattn/planner/table.py: decode, coverage, check_coverage) ---------------
+//
+// The executor of sparse_attn_sharedkv reads the plan of every call on the host: the row records'
+// geometry (Rows(costs=False) of dsattn/planner/fast.py), the cores' ranges as whole rows and
+// partial pieces (coverage) and, with content checks, the plan invariants (check_coverage).  The
+// same, here, in one call: the NumPy version costs about half a millisecond per decode call, most
+// of it per-call overhead.  Messages equal the Python checkers' (the tests compare them).
+
+struct Bound { i64 b, m, s; };
+
+std::string str(const Bound& t) {
+  return "(" + std::to_string(t.b) + ", " + std::to_string(t.m) + ", " + std::to_string(t.s) + ")";
+}
+
+struct PlanError {
+  std::string what;
+};
+
+struct Reader {
+  const Params& pp;
+  std::vector<i64> off, S1v, first, win_end, s2_start, s2_end, blocks;
+  i64 R = 0;
+
+  explicit Reader(const Params& p) : pp(p) {
+    const i64 B = pp.B, G = pp.G(), mb = pp.m_base();
+    off.assign(B + 1, 0);
+    S1v.resize(B);
+    for (i64 b = 0; b < B; ++b) {
+      S1v[b] = pp.S1v(b);
+      off[b + 1] = off[b] + cdiv(S1v[b] * G, mb);
+    }
+    R = off[B];
+    first.resize(R); win_end.resize(R); s2_start.resize(R); s2_end.resize(R); blocks.resize(R);
+    for (i64 b = 0; b < B; ++b) {
+      const Batch g = batch_of(pp, b);
+      for (i64 idx = 0; idx < off[b + 1] - off[b]; ++idx) {
+        i64 fst = 0, lst = 0;
+        const bool empty = !bounds_at(pp, g, idx, fst, lst) || fst >= g.S2 || lst < 0 || lst < fst;
+        fst = empty ? 0 : std::max<i64>(fst, 0);
+        lst = empty ? 0 : std::min<i64>(lst, g.S2 - 1);
+        const i64 we = empty ? 0 : (lst - fst) / S2_BASE + 1;
+        const i64 cmp_tok = pp.has_cmp ? (lst + 1) / pp.cmp_ratio : 0;
+        const i64 act = pp.is_scfa() ? std::min(cmp_tok, pp.cmp_topk) : cmp_tok;
+        const i64 ce = act == 0 ? we : we + (act - 1) / S2_BASE + 1;
+        const i64 g_ = off[b] + idx;
+        first[g_] = fst;
+        win_end[g_] = we;
+        blocks[g_] = ce;
+        s2_start[g_] = we > 0 ? 0 : we;
+        s2_end[g_] = ce > we ? ce : we;
+      }
+    }
+  }
+
+  // Global (row, s2) of a core range bound as walk() moves (table.py's _position).
+  std::pair<i64, i64> position(const Bound& t) const {
+    if (std::min({t.b, t.m, t.s}) < 0) throw PlanError{"0: negative entry in the core range bound " + str(t)};
+    if (t.b >= pp.B) return {off[pp.B], 0};
+    if (t.m >= off[t.b + 1] - off[t.b]) return {off[t.b + 1], 0};
+    return {off[t.b] + t.m, t.s};
+  }
+
+  i64 m_size(i64 b, i64 m) const { return std::min(pp.m_base(), S1v[b] * pp.G() - m * pp.m_base()); }
+};
+
+struct Piece { i64 core, bn2, m, lo, hi, slot; };
+
+std::string pieces_repr(const std::vector<Piece>* ps) {
+  if (ps == nullptr) return "None";
+  std::string s = "[";
+  for (size_t i = 0; i < ps->size(); ++i) {
+    const Piece& p = (*ps)[i];
+    s += (i ? ", " : "") + std::string("Segment(core=") + std::to_string(p.core) + ", bn2=" + std::to_string(p.bn2) +
+         ", m=" + std::to_string(p.m) + ", s2_lo=" + std::to_string(p.lo) + ", s2_hi=" + std::to_string(p.hi) +
+         ", partial=True, slot=" + std::to_string(p.slot) + ")";
+  }
+  return s + "]";
+}
+
+std::string pair_repr(i64 a, i64 b) { return "(" + std::to_string(a) + ", " + std::to_string(b) + ")"; }
+
+#define PLAN_ASSERT(cond, msg) \
+  do {                         \
+    if (!(cond)) throw PlanError{msg}; \
+  } while (0)
+
 }  // namespace
 
 // The plan table (CPU int32 [1024]) for already validated scalar arguments; the length tensors
@@ -585,4 +674,175 @@ torch::Tensor plan_lengths(int64_t num_heads_q, std::vector<int64_t> S1, std::ve
   auto table = torch::empty({TABLE_SIZE}, torch::dtype(torch::kInt32));
   plan_into(pp, table.data_ptr<int32_t>());
   return table;
+}
+
+// A plan table read for the call whose lengths and attributes are given (as plan_lengths takes
+// them): [off [B+1], S1v [B], rows [5, R] (first, win_end, s2_start, s2_end, blocks), whole [W],
+// partial [P, 6] (core, bn2, m, s2_lo, s2_hi, slot), fd [F, 6]] and the first violated invariant
+// ("" when none, or when ``check`` is off and the ranges could be read).
+std::tuple<std::vector<torch::Tensor>, std::string> plan_coverage(
+    const torch::Tensor& table, int64_t num_heads_q, std::vector<int64_t> S1, std::vector<int64_t> S2, bool has_cmp,
+    int64_t cmp_topk, int64_t cmp_ratio, int64_t ori_mask_mode, int64_t ori_win_left, bool check) {
+  TORCH_CHECK(table.numel() == TABLE_SIZE, "metadata: expected ", TABLE_SIZE, " entries, got ", table.numel());
+  const auto tc = table.to(torch::kCPU, torch::kInt32).contiguous();
+  const int32_t* v = tc.data_ptr<int32_t>();
+  Params pp{(i64)S1.size(), num_heads_q, 1, S1, S2, has_cmp, has_cmp ? cmp_topk : 0, cmp_ratio, ori_mask_mode,
+            ori_win_left, FA_CORES, FD_CORES, false};
+  pp.finish();
+  const Reader rd(pp);
+  // decode: the enabled entries
+  std::vector<Bound> starts, ends;
+  std::vector<i64> first_fd;
+  for (int c = 0; c < FA_CORES; ++c) {
+    const int32_t* e = v + 8 * c;
+    if (e[0] != 1) continue;
+    starts.push_back({e[1], e[2], e[3]});
+    ends.push_back({e[4], e[5], e[6]});
+    first_fd.push_back(e[7]);
+  }
+  std::vector<std::array<i64, 6>> fd;
+  for (int c = 0; c < FD_CORES; ++c) {
+    const int32_t* e = v + FD_BASE + 8 * c;
+    if (e[0] == 1) fd.push_back({e[1], e[2], e[3], e[4], e[5], e[6]});
+  }
+  const i64 R = rd.R, n = (i64)starts.size();
+  std::vector<i64> held(R + 1, 0), whole;
+  std::vector<Piece> partial;
+  std::string error;
+  try {
+    // coverage: per core, the rows between its edge rows whole, the edge rows whole or in part
+    for (i64 core = 0; core < n; ++core) {
+      const auto [gs, ss] = rd.position(starts[core]);
+      const auto [ge, se] = rd.position(ends[core]);
+      if (std::make_pair(gs, ss) >= std::make_pair(ge, se)) continue;
+      i64 k = 0;
+      std::array<std::array<i64, 3>, 2> edges;
+      int n_edges = 0;
+      if (gs < R) edges[n_edges++] = {gs, ss, ge == gs ? se : rd.blocks[gs]};
+      if (ge > gs) {
+        ++held[gs + 1];
+        --held[ge];
+        if (ge < R && se > 0) edges[n_edges++] = {ge, 0, se};
+      }
+      for (int i = 0; i < n_edges; ++i) {
+        const auto [g, lo, hi] = edges[i];
+        if (hi <= lo) continue;
+        if (lo > 0 || hi < rd.blocks[g]) {
+          const i64 b = (i64)(std::upper_bound(rd.off.begin(), rd.off.end(), g) - rd.off.begin()) - 1;
+          partial.push_back({core, b, g - rd.off[b], lo, hi, first_fd[core] + k});
+          ++k;
+        } else {
+          whole.push_back(g);   // an edge row held whole: added to the counts after the prefix sum
+        }
+      }
+    }
+    if (check) {
+      const bool support_fd = !fd.empty() || std::any_of(starts.begin(), starts.end(), [](const Bound& t) { return t.s != 0; }) ||
+                              std::any_of(ends.begin(), ends.end(), [](const Bound& t) { return t.s != 0; });
+      // invariants 1-3: the chain of ranges
+      PLAN_ASSERT(1 <= n && n <= FA_CORES, "1: usedCoreNum " + std::to_string(n) + " not in [1, " + std::to_string(FA_CORES) + "]");
+      PLAN_ASSERT(starts[0].b == 0 && starts[0].m == 0 && starts[0].s == 0, "2: start[0] = " + str(starts[0]));
+      for (i64 i = 1; i < n; ++i) {
+        const Bound &s = starts[i], &e = ends[i - 1];
+        PLAN_ASSERT(s.b == e.b && s.m == e.m && s.s == e.s, "2: start[" + std::to_string(i) + "] = " + str(s) + " != end[" +
+                                                                std::to_string(i - 1) + "] = " + str(e));
+      }
+      const Bound& last = ends[n - 1];
+      PLAN_ASSERT(last.b == pp.B && last.m == 0 && last.s == 0, "3: end[last] = " + str(last));
+      // invariant 4 on block coordinates
+      std::vector<i64> cum(R + 1, 0);
+      for (i64 g = 0; g < R; ++g) cum[g + 1] = cum[g] + rd.blocks[g];
+      auto block_of = [&](const Bound& t) {
+        const auto [g, s] = rd.position(t);
+        if (s) PLAN_ASSERT(s <= rd.blocks[g], "4: row " + pair_repr(t.b, t.m) + " has blocks up to " +
+                                                  std::to_string(rd.blocks[g]) + " but a core range bound is " + str(t));
+        return cum[g] + s;
+      };
+      for (i64 core = 0; core < n; ++core) {
+        const i64 a = block_of(starts[core]), b = block_of(ends[core]);
+        PLAN_ASSERT(a <= b, "4: core " + std::to_string(core) + " range " + str(starts[core]) + " -> " + str(ends[core]) +
+                                " runs backwards");
+      }
+      // invariants 5-6: FD data
+      if (!support_fd) {
+        PLAN_ASSERT(std::all_of(first_fd.begin(), first_fd.end(), [](i64 f) { return f == 0; }) && fd.empty(),
+                    "5: FD data without support_fd");
+      } else {
+        std::map<std::pair<i64, i64>, std::vector<Piece>> parts;
+        for (const Piece& p : partial) parts[{p.bn2, p.m}].push_back(p);
+        // tasks in first-appearance order, keyed (bn2, m, ws, split)
+        std::vector<std::array<i64, 4>> keys;
+        std::vector<std::vector<std::pair<i64, i64>>> ranges;
+        for (const auto& e : fd) {
+          const std::array<i64, 4> key{e[0], e[1], e[2], e[3]};
+          auto it = std::find(keys.begin(), keys.end(), key);
+          if (it == keys.end()) {
+            keys.push_back(key);
+            ranges.emplace_back();
+            it = keys.end() - 1;
+          }
+          ranges[it - keys.begin()].push_back({e[4], e[5]});
+        }
+        PLAN_ASSERT(keys.size() == parts.size(), "6: " + std::to_string(keys.size()) + " FD tasks for " +
+                                                     std::to_string(parts.size()) + " split rows");
+        PLAN_ASSERT((i64)fd.size() <= FD_CORES, "6: " + std::to_string(fd.size()) + " FD entries > aiv_core_num " +
+                                                    std::to_string(FD_CORES));
+        std::vector<size_t> order(keys.size());
+        for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return keys[a][2] < keys[b][2]; });
+        i64 next_slot = 0;
+        for (size_t i : order) {
+          const auto [bn2, m, ws, split] = keys[i];
+          const auto it = parts.find({bn2, m});
+          const std::vector<Piece>* row_parts = it == parts.end() ? nullptr : &it->second;
+          PLAN_ASSERT(row_parts && (i64)row_parts->size() == split, "6: FD task " + pair_repr(bn2, m) + " split " +
+                                                                        std::to_string(split) + " vs " + pieces_repr(row_parts));
+          PLAN_ASSERT(ws == next_slot, "6: workspace slots not consecutive at task " + pair_repr(bn2, m));
+          std::vector<i64> slots;
+          for (const Piece& p : *row_parts) slots.push_back(p.slot);
+          std::sort(slots.begin(), slots.end());
+          bool consecutive = true;
+          for (i64 j = 0; j < split; ++j) consecutive = consecutive && slots[j] == ws + j;
+          PLAN_ASSERT(consecutive, "6: partial rows vs slots");
+          next_slot += split;
+          auto rs = ranges[i];
+          std::sort(rs.begin(), rs.end());
+          i64 pos = 0;
+          for (const auto& [m_start, m_num] : rs) {
+            PLAN_ASSERT(m_start == pos && m_num > 0, "6: FD M ranges of " + pair_repr(bn2, m) + " do not partition");
+            pos += m_num;
+          }
+          const i64 ms = rd.m_size(bn2, m);
+          PLAN_ASSERT(pos == ms, "6: FD M ranges of " + pair_repr(bn2, m) + " cover " + std::to_string(pos) +
+                                     " rows, the m-block has " + std::to_string(ms));
+        }
+      }
+    }
+  } catch (const PlanError& e) {
+    error = e.what;
+  }
+  // whole rows: the interiors' counts plus the edge rows held whole, none for rows without blocks
+  std::vector<i64> count(R, 0);
+  i64 run = 0;
+  for (i64 g = 0; g < R; ++g) count[g] = (run += held[g]);
+  for (i64 g : whole) ++count[g];
+  std::vector<i64> whole_rows;
+  for (i64 g = 0; g < R; ++g)
+    if (rd.blocks[g] != 0)
+      for (i64 c = 0; c < count[g]; ++c) whole_rows.push_back(g);
+  auto i64_tensor = [](const std::vector<i64>& x, std::vector<int64_t> shape) {
+    auto t = torch::empty(shape, torch::dtype(torch::kInt64));
+    std::copy(x.begin(), x.end(), t.data_ptr<int64_t>());
+    return t;
+  };
+  std::vector<i64> rows;
+  rows.reserve(5 * R);
+  for (const auto* a : {&rd.first, &rd.win_end, &rd.s2_start, &rd.s2_end, &rd.blocks}) rows.insert(rows.end(), a->begin(), a->end());
+  std::vector<i64> part_flat, fd_flat;
+  for (const Piece& p : partial) part_flat.insert(part_flat.end(), {p.core, p.bn2, p.m, p.lo, p.hi, p.slot});
+  for (const auto& e : fd) fd_flat.insert(fd_flat.end(), e.begin(), e.end());
+  return {{i64_tensor(rd.off, {pp.B + 1}), i64_tensor(rd.S1v, {pp.B}), i64_tensor(rows, {5, R}),
+           i64_tensor(whole_rows, {(int64_t)whole_rows.size()}), i64_tensor(part_flat, {(int64_t)partial.size(), 6}),
+           i64_tensor(fd_flat, {(int64_t)fd.size(), 6})},
+          error};
 }

@@ -21,8 +21,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import native
 from ..common.checks import fail, host_ints
 from ..common.softmax import attend, attention_dtype, merge_attention_states
+from ..planner import native as native_planner
 from ..planner.fast import Rows
 from ..planner.params import FA_CORES, FD_CORES, S2_BASE, plan_params
 from ..planner.table import check_coverage, coverage, decode
@@ -46,13 +48,18 @@ def plan_params_for(P: MlaProblem):
 
 
 def read_plan(P: MlaProblem, metadata: torch.Tensor, check: bool):
-    """The plan on the host with the row records of this call and its coverage (which rows each
-    core holds whole, which it splits); ``check``: raise ValueError naming ``metadata`` when the
-    plan does not fit the call (50 §5 invariants)."""
+    """The plan on the host: (params, the row records of this call, the plan's FD entries, its
+    coverage: which rows each core holds whole, which it splits); ``check``: raise ValueError
+    naming ``metadata`` when the plan does not fit the call (50 §5 invariants).  Read by the
+    compiled layer where it is loaded (:func:`dsattn.planner.native.read_plan`), else in NumPy."""
     pp = plan_params_for(P)
-    rw = Rows(pp, costs=False)
-    plan = decode(metadata)
+    module = native.load()
     try:
+        if module is not None:                # the same reading in one compiled call
+            rw, fd, cov = native_planner.read_plan(module, metadata, pp, check)
+            return pp, rw, fd, cov
+        rw = Rows(pp, costs=False)
+        plan = decode(metadata)
         cov = coverage(plan, rw)
         if check:
             check_coverage(plan, rw, cov, pp.B, FA_CORES, FD_CORES,
@@ -60,11 +67,11 @@ def read_plan(P: MlaProblem, metadata: torch.Tensor, check: bool):
     except AssertionError as e:
         fail("metadata", f"the plan does not fit this call (built from other lengths or attributes?): "
              f"invariant {e}")
-    return pp, rw, plan, cov
+    return pp, rw, plan.fd, cov
 
 
 def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
-    pp, rw, plan, cov = read_plan(P, metadata, P.content)
+    pp, rw, fd, cov = read_plan(P, metadata, P.content)
     S1 = pp.S1
     B, G, mb = pp.B, pp.G, pp.m_base
     off = rw.off
@@ -147,7 +154,7 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
         (o, lse), has_key = attend_rows(t0, t1, (g, s.s2_lo, s.s2_hi), with_sinks=False)
         lt = t - t0
         workspace[s.slot] = (o[lt, h], lse[lt, h], has_key[lt])
-    for bn2, m, ws, split, m_start, m_num in plan.fd:
+    for bn2, m, ws, split, m_start, m_num in fd:
         t, h = pairs(bn2, m, m_start, m_start + m_num)
         parts = [workspace.get(ws + k) for k in range(split)]
         if any(p is None for p in parts):
