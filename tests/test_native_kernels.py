@@ -116,6 +116,17 @@ def test_native_rejects_rows_out_of_range(native_module):
         module.sparse_attention_forward(q, [src], [rows], None, 1.0)
     with pytest.raises(RuntimeError, match="dtype"):
         module.sparse_attention_forward(q.double(), [src.double()], [rows.clamp(max=9)], None, 1.0)
+    ok = rows.clamp(max=9)
+    with pytest.raises(RuntimeError, match="out: expected"):
+        module.sparse_attention_forward(q, [src], [ok], None, 1.0, out=torch.empty(2, 4, 32))
+    with pytest.raises(RuntimeError, match="lse: expected"):
+        module.sparse_attention_forward(q, [src], [ok], None, 1.0, lse=torch.empty(4, 2))
+    # given outputs are written in place and returned
+    out, lse = torch.full_like(q, float("nan")), torch.full((2, 4), float("nan"))
+    o, l = module.sparse_attention_forward(q, [src], [ok], None, 1.0, out=out, lse=lse)
+    want_o, want_l = module.sparse_attention_forward(q, [src], [ok], None, 1.0)
+    assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse.data_ptr()
+    assert torch.equal(out, want_o) and torch.equal(lse, want_l)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])

@@ -677,16 +677,24 @@ const float* sink_values(const c10::optional<at::Tensor>& sinks, int64_t H, at::
 }  // namespace
 
 // out [R, H, D] (q's dtype) and lse [R, H] (fp32) of the rows of q [R, H, D] over the key rows
-// sources[i][rows[i][r, j]] (rows: int64 [R, W_i], -1 = no key), with the sink sinks [H] (fp32).
+// sources[i][rows[i][r, j]] (rows: int64 [R, W_i], -1 = no key), with the sink sinks [H] (fp32);
+// written into ``out_into`` / ``lse_into`` when given (contiguous, e.g. a slice of the caller's
+// output: no copy), else into new tensors.
 std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std::vector<at::Tensor>& sources,
                                                  const std::vector<at::Tensor>& rows,
-                                                 const c10::optional<at::Tensor>& sinks, double scale) {
+                                                 const c10::optional<at::Tensor>& sinks, double scale,
+                                                 const c10::optional<at::Tensor>& out_into,
+                                                 const c10::optional<at::Tensor>& lse_into) {
   check_operands(q, sources, rows);
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   at::Tensor sinks_f;
   const float* sink_ptr = sink_values(sinks, H, sinks_f);
-  auto out = at::empty({R, H, D}, q.options());
-  auto lse = at::empty({R, H}, q.options().dtype(at::kFloat));
+  auto out = out_into.has_value() ? *out_into : at::empty({R, H, D}, q.options());
+  auto lse = lse_into.has_value() ? *lse_into : at::empty({R, H}, q.options().dtype(at::kFloat));
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous() &&
+                  out.device().is_cpu(), "out: expected a contiguous CPU tensor shaped and typed like q");
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == R && lse.size(1) == H && lse.scalar_type() == at::kFloat &&
+                  lse.is_contiguous() && lse.device().is_cpu(), "lse: expected a contiguous CPU fp32 [R, H] tensor");
   const auto dt = q.scalar_type();
   if (dt == at::kBFloat16 && could_pack(dt))
     forward_rows<at::BFloat16, at::BFloat16>(q, sources, rows, sink_ptr, scale, out, lse);
@@ -772,7 +780,8 @@ c10::optional<bool> packed_layout_matches(int64_t K, int64_t N) {
 #else  // !DSATTN_HAVE_BRGEMM
 
 std::vector<at::Tensor> sparse_attention_forward(const at::Tensor&, const std::vector<at::Tensor>&,
-                                                 const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, double) {
+                                                 const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, double,
+                                                 const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled attention is not available");
 }
 std::vector<at::Tensor> sparse_attention_backward(const at::Tensor&, const at::Tensor&, const at::Tensor&,

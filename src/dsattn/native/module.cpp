@@ -14,7 +14,9 @@ torch::Tensor plan_lengths(int64_t num_heads_q, std::vector<int64_t> S1, std::ve
                            int64_t aic, int64_t aiv, bool support_fd);
 std::vector<torch::Tensor> sparse_attention_forward(const torch::Tensor& q, const std::vector<torch::Tensor>& sources,
                                                     const std::vector<torch::Tensor>& rows,
-                                                    const c10::optional<torch::Tensor>& sinks, double scale);
+                                                    const c10::optional<torch::Tensor>& sinks, double scale,
+                                                    const c10::optional<torch::Tensor>& out_into,
+                                                    const c10::optional<torch::Tensor>& lse_into);
 std::vector<torch::Tensor> sparse_attention_backward(const torch::Tensor& q, const torch::Tensor& dout,
                                                      const torch::Tensor& out, const torch::Tensor& lse,
                                                      const std::vector<torch::Tensor>& sources,
@@ -38,7 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dsattn's compiled kernel layer";
   m.def("plan_table", &plan_table, "the metadata plan table (spec 50) from CPU int32 length mirrors");
   m.def("sparse_attention_forward", &sparse_attention_forward,
-        "fused sparse attention forward over gathered key rows (the golden's rounding points)");
+        "fused sparse attention forward over gathered key rows (the golden's rounding points)", pybind11::arg("q"),
+        pybind11::arg("sources"), pybind11::arg("rows"), pybind11::arg("sinks"), pybind11::arg("scale"),
+        pybind11::arg("out") = pybind11::none(), pybind11::arg("lse") = pybind11::none());
   m.def("sparse_attention_backward", &sparse_attention_backward,
         "gradients of the fused sparse attention: dq, the key rows' fp32 gradients, dsinks, P's head mean");
   m.def("kernels_available", [] { return bool(DSATTN_HAVE_BRGEMM); },

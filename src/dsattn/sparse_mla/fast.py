@@ -95,15 +95,15 @@ def _forward_native(P: MlaProblem, module, flat, out, lse) -> None:
     sinks = None if P.sinks is None else P.sinks.float()
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
-        o, l = native_rows(P, module, flat, qf, P.keys(t0, t1), t0, t1, sinks)
-        out[t0:t1] = o
-        lse[t0:t1] = l.to(lse.dtype)
+        native_rows(P, module, flat, qf, P.keys(t0, t1), t0, t1, sinks, out[t0:t1], lse[t0:t1])
 
 
-def native_rows(P: MlaProblem, module, flat, qf, k, t0: int, t1: int, sinks):
+def native_rows(P: MlaProblem, module, flat, qf, k, t0: int, t1: int, sinks, out=None, lse=None):
     """``(out [r, H, D] query dtype, lse [r, H] fp32)`` of flattened rows ``[t0, t1)`` over their keys
-    ``k`` (:meth:`MlaProblem.keys`) through the compiled kernel; ``sinks`` fp32 or None."""
-    return module.sparse_attention_forward(qf[t0:t1].contiguous(), *_native_keys(P, flat, k), sinks, P.scale)
+    ``k`` (:meth:`MlaProblem.keys`) through the compiled kernel; ``sinks`` fp32 or None.  Written
+    into ``out`` / ``lse`` when given (contiguous: rows of the op's outputs)."""
+    return module.sparse_attention_forward(qf[t0:t1].contiguous(), *_native_keys(P, flat, k), sinks, P.scale,
+                                           out=out, lse=lse)
 
 
 def _native_keys(P: MlaProblem, flat, k) -> tuple[list, list]:
