@@ -241,3 +241,32 @@ def test_compressor_pool_rejects_rows_outside_its_sources(native_module):
     with pytest.raises(RuntimeError, match="state_at"):
         native_module.compressor_pool(kv, kv, torch.zeros(2, 8), kind + 1, torch.zeros_like(at), at - 3,
                                       torch.ones(1, dtype=torch.bool), 1, 8)
+
+
+def test_paged_rows_equal_locate_and_flat_index(native_module, gen):
+    """KVSource.rows_index (one compiled call for paged CPU caches) gives locate + flat_index's numbers,
+    including for masked-in keys whose table entry is bad when nothing checks, and the same error
+    when the check is on."""
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    from dsattn.common.layout import PAGED, KVSource
+    nb, bs, B, nbt = 7, 4, 3, 5
+    table = torch.randint(0, nb, (B, nbt), generator=gen, dtype=torch.int32)
+    table[1, 3] = -1
+    table[2, 1] = nb + 2
+    src = KVSource("ori_kv", torch.randn(nb, bs, 1, 8), PAGED, torch.full((B,), nbt * bs), nbt * bs,
+                   block_table=table, table_name="ori_block_table")
+    b = torch.randint(0, B, (40, 1), generator=gen)
+    x = torch.randint(0, nbt * bs + 6, (40, 9), generator=gen)          # some past the table
+    mask = torch.rand(40, 9, generator=gen) < 0.7
+    want = src.flat_index(*src.locate(b, x, mask), mask)
+    assert torch.equal(src.rows_index(b, x, mask), want)
+    for check_mask in (mask, mask & (x < nbt * bs)):
+        with pytest.raises(ValueError) as torch_err:
+            src.locate(b, x, check_mask, check=True)
+        with pytest.raises(ValueError) as native_err:
+            src.rows_index(b, x, check_mask, check=True)
+        assert str(native_err.value) == str(torch_err.value)
+    good = mask & (x < nbt * bs) & (table[b.expand_as(x), (x // bs).clamp(max=nbt - 1)] >= 0) & \
+        (table[b.expand_as(x), (x // bs).clamp(max=nbt - 1)] < nb)
+    assert torch.equal(src.rows_index(b, x, good, check=True), src.flat_index(*src.locate(b, x, good, check=True), good))

@@ -187,18 +187,38 @@ class KVSource:
         col = x // bs
         blk = self.block_table[b.expand_as(x), col.clamp(max=max(nbt - 1, 0))].to(torch.int64)
         if check:
-            nb = self.tensor.size(0)
-            bad = mask & ((col >= nbt) | (blk < 0) | (blk >= nb))
+            bad = mask & ((col >= nbt) | (blk < 0) | (blk >= self.tensor.size(0)))
             if bool(bad.any()):
-                k = bad.nonzero()[0].tolist()
-                bb, xx = int(b.expand_as(x)[tuple(k)]), int(x[tuple(k)])
-                if xx // bs >= nbt:
-                    fail(self.table_name, f"too short: batch {bb} needs position {xx} (block column "
-                         f"{xx // bs}) but the table has {nbt} columns")
-                fail(self.table_name, f"entry [{bb}, {xx // bs}] = {int(blk[tuple(k)])} is needed for "
-                     f"position {xx} but is not in [0, num_blocks={nb})")
+                k = tuple(bad.nonzero()[0].tolist())
+                self._table_error(int(b.expand_as(x)[k]), int(x[k]))
         blk = torch.where(mask, blk, torch.zeros_like(blk))
         return blk, torch.where(mask, x % bs, torch.zeros_like(x))
+
+    def _table_error(self, b: int, x: int):
+        """ValueError naming the block table: batch ``b`` needs position ``x``, whose block column
+        is past the table or whose entry is not a block of the cache."""
+        bs, nbt, nb = self.tensor.size(1), self.block_table.size(1), self.tensor.size(0)
+        if x // bs >= nbt:
+            fail(self.table_name, f"too short: batch {b} needs position {x} (block column {x // bs}) but the "
+                 f"table has {nbt} columns")
+        fail(self.table_name, f"entry [{b}, {x // bs}] = {int(self.block_table[b, x // bs])} is needed for "
+             f"position {x} but is not in [0, num_blocks={nb})")
+
+    def rows_index(self, b: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, check: bool = False) -> torch.Tensor:
+        """:meth:`flat_index` of :meth:`locate`'s addresses in one step (the same numbers, the same
+        errors): for paged CPU caches one compiled call (``dsattn.native``), else those two methods.
+        ``b`` is ``[R, 1]``, ``x`` and ``mask`` ``[R, W]``."""
+        module = None
+        if self.layout == PAGED and x.device.type == "cpu" and self.block_table.dtype == torch.int32:
+            from .. import native
+            module = native.load()
+        if module is None:
+            return self.flat_index(*self.locate(b, x, mask, check=check), mask)
+        flat, bad = module.paged_rows(self.block_table, b.reshape(-1), x, mask, self.tensor.size(1),
+                                      self.tensor.size(0))
+        if bad and check:
+            self._table_error(int(b.reshape(-1)[bad[0]]), int(x[bad[0], bad[1]]))
+        return flat
 
     def span(self, b: int, k0: int, k1: int, check: bool = False) -> torch.Tensor:
         """Keys ``[k0, k1)`` of batch ``b`` as ``[k1 - k0, D]`` (a host-side batch index: callers on

@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 
-_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp")
+_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp")
 _HEADERS = ("common.h",)
 _state: dict = {}
 

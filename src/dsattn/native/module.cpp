@@ -36,6 +36,10 @@ std::tuple<std::vector<torch::Tensor>, std::string> plan_coverage(
     const torch::Tensor& table, int64_t num_heads_q, std::vector<int64_t> S1, std::vector<int64_t> S2, bool has_cmp,
     int64_t cmp_topk, int64_t cmp_ratio, int64_t ori_mask_mode, int64_t ori_win_left, bool check);
 
+std::tuple<at::Tensor, std::vector<int64_t>> paged_rows(const at::Tensor& table, const at::Tensor& batch,
+                                                        const at::Tensor& x, const at::Tensor& mask,
+                                                        int64_t block_size, int64_t num_blocks);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dsattn's compiled kernel layer";
   m.def("plan_table", &plan_table, "the metadata plan table (spec 50) from CPU int32 length mirrors");
@@ -53,5 +57,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compressor_pool", &compressor_pool, "the compressor's gated softmax pooling of output rows over their slots");
   m.def("plan_coverage", &plan_coverage,
         "a plan table read for a call: row geometry, whole rows, partial pieces, FD entries, first violated invariant");
+  m.def("paged_rows", &paged_rows, "flat rows of logical keys in a paged cache (-1 where masked out)");
   m.def("plan_lengths", &plan_lengths, "the metadata plan table for explicit per-batch lengths");
 }

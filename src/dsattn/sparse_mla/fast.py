@@ -69,15 +69,21 @@ def native_sources(P: MlaProblem):
     return None if module is None else (module, [src.flat_rows() for src in (P.ori, P.cmp) if src is not None])
 
 
-def _native_operands(src, flat, addr, mask):
+def _native_operands(P: MlaProblem, src, flat, x, addr, mask, k):
     """(rows, index) for the compiled kernel: the source's flat rows and flat row numbers; or, for
     packed / strided sources, the block's rows gathered (and decoded) here, numbered in order."""
     if flat is not None:
-        return flat, src.flat_index(*addr, mask).contiguous()
+        return flat, P.native_index(src, x, mask, k) if addr is None else src.flat_index(*addr, mask).contiguous()
     rows = src.gather(*addr)                                            # [r, W, D], decoded
     r, w = mask.shape
     index = torch.arange(r * w, device=mask.device).view(r, w)
     return rows.reshape(r * w, rows.size(-1)).contiguous(), torch.where(mask, index, torch.full((), -1, device=mask.device))
+
+
+def native_keys(P: MlaProblem, flat, t0: int, t1: int):
+    """:meth:`MlaProblem.keys` of rows ``[t0, t1)`` for the compiled kernels: the physical addresses
+    only where a source's rows must be gathered here (packed rows), the rest as flat row numbers."""
+    return P.keys(t0, t1, addresses=any(f is None for f in flat))
 
 
 def _native_block_rows(P: MlaProblem, R: int) -> int:
@@ -95,7 +101,7 @@ def _forward_native(P: MlaProblem, module, flat, out, lse) -> None:
     sinks = None if P.sinks is None else P.sinks.float()
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
-        native_rows(P, module, flat, qf, P.keys(t0, t1), t0, t1, sinks, out[t0:t1], lse[t0:t1])
+        native_rows(P, module, flat, qf, native_keys(P, flat, t0, t1), t0, t1, sinks, out[t0:t1], lse[t0:t1])
 
 
 def native_rows(P: MlaProblem, module, flat, qf, k, t0: int, t1: int, sinks, out=None, lse=None):
@@ -108,9 +114,9 @@ def native_rows(P: MlaProblem, module, flat, qf, k, t0: int, t1: int, sinks, out
 
 def _native_keys(P: MlaProblem, flat, k) -> tuple[list, list]:
     """(key row sources, index tables) of a block's keys ``k``: ori first, then cmp."""
-    parts = [_native_operands(P.ori, flat[0], k.ori_addr, k.ori_mask)]
+    parts = [_native_operands(P, P.ori, flat[0], k.ori_x, k.ori_addr, k.ori_mask, k)]
     if P.cmp is not None:
-        parts.append(_native_operands(P.cmp, flat[1], k.cmp_addr, k.cmp_mask))
+        parts.append(_native_operands(P, P.cmp, flat[1], k.cmp_x, k.cmp_addr, k.cmp_mask, k))
     return [x for x, _ in parts], [i for _, i in parts]
 
 
@@ -247,7 +253,7 @@ def _backward_native(P: MlaProblem, module, flat, qf, dof, of, lse_rows) -> tupl
     step = _native_block_rows(P, R)
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
-        k = P.keys(t0, t1)
+        k = native_keys(P, flat, t0, t1)
         sources, index = _native_keys(P, flat, k)
         res = module.sparse_attention_backward(qf[t0:t1].contiguous(), dof[t0:t1].contiguous(), of[t0:t1].contiguous(),
                                                lse_rows[t0:t1].float().contiguous(), sources, index, sinks, P.scale)

@@ -32,6 +32,7 @@ class RowKeys:
     cmp_x: torch.Tensor | None
     cmp_mask: torch.Tensor | None
     cmp_addr: tuple | None
+    batch: torch.Tensor | None = None   # [R, 1] batch of each row (for addresses computed later)
 
     @property
     def mask(self) -> torch.Tensor:
@@ -84,8 +85,10 @@ class MlaProblem:
         (K is the list's own width)."""
         return thr if self.cmp_len is None else torch.minimum(thr, self.cmp_len[t0:t1])
 
-    def keys(self, t0: int, t1: int) -> RowKeys:
-        """Vectorised key selection (§1.2) for flattened query rows ``[t0, t1)``."""
+    def keys(self, t0: int, t1: int, addresses: bool = True) -> RowKeys:
+        """Vectorised key selection (§1.2) for flattened query rows ``[t0, t1)``.  ``addresses=False``
+        leaves the physical addresses (and the block-table checks) to the caller, which turns the
+        positions into flat row numbers itself (:meth:`native_index`)."""
         rows, dev = self.rows, self.q.device
         b = rows.batch[t0:t1]
         i = rows.local[t0:t1]
@@ -98,9 +101,9 @@ class MlaProblem:
         lo, hi = ori_range_t(p, S2o, self.om, self.wl, self.wr)
         ox = lo[:, None] + torch.arange(self.ori_width, device=dev)[None, :]
         om = valid[:, None] & (ox < hi[:, None])
-        oaddr = self.ori.locate(b[:, None], ox, om, check=self.content)
+        oaddr = self.ori.locate(b[:, None], ox, om, check=self.content) if addresses else None
         if self.cmp is None:
-            return RowKeys(valid, ox, om, oaddr, None, None, None)
+            return RowKeys(valid, ox, om, oaddr, None, None, None, b[:, None])
         pc = self.Lc[b] - S1e + i
         thr = cmp_threshold_t(pc, S2o, self.cmp.lengths[b], self.r, self.cm)
         if self.cmp_idx is None:
@@ -110,8 +113,13 @@ class MlaProblem:
             cx = self.cmp_idx[t0:t1, : self.cmp_width].to(torch.int64)
             cm = sparse_walk_t(cx, self.walk_limit(thr, t0, t1), thr)
         cm = cm & valid[:, None]
-        caddr = self.cmp.locate(b[:, None], cx, cm, check=self.content)
-        return RowKeys(valid, ox, om, oaddr, cx, cm, caddr)
+        caddr = self.cmp.locate(b[:, None], cx, cm, check=self.content) if addresses else None
+        return RowKeys(valid, ox, om, oaddr, cx, cm, caddr, b[:, None])
+
+    def native_index(self, src: KVSource, x: torch.Tensor, mask: torch.Tensor, k: RowKeys) -> torch.Tensor:
+        """Flat row numbers (-1 = no key) of the keys ``x`` / ``mask`` of ``src`` for the rows of ``k``,
+        with the block-table checks of :meth:`keys` (content checks on)."""
+        return src.rows_index(k.batch, x, mask, check=self.content)
 
     def gather(self, k: RowKeys, dtype: torch.dtype) -> torch.Tensor:
         """Key rows ``[R, W, D]`` in ``dtype``; rows of masked slots are exactly zero (whatever
