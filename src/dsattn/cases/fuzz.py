@@ -592,14 +592,16 @@ class FuzzReport:
         self.pooled_cos = [0.0, 0.0] if self.pooled_cos is None else self.pooled_cos
 
 
-def check_seeds(family: str, seeds) -> FuzzReport:
+def check_seeds(family: str, seeds, into: FuzzReport | None = None, pooled: bool = True) -> FuzzReport:
     """Run ``family`` on every seed.  A configuration fails on an exception, a NaN / inf mismatch,
     a bound every element must meet, or a statistical rule on a tensor of ``POOL_BELOW`` elements
     or more.  The statistical rules of 00 §11 (99.5 % / 99.9 % of elements within a bound, cos_diff
     <= 7e-6) are applied to the pooled elements of all configurations of the run for smaller
-    tensors instead: one flipped bf16 ulp in a 16-element row is not a failure of the kernel."""
-    from ..testing import MAX_COS_DIFF, cos_from_terms
-    rep = FuzzReport(family)
+    tensors instead: one flipped bf16 ulp in a 16-element row is not a failure of the kernel.
+
+    ``into``: add to that report (a caller running seeds one at a time); ``pooled=False`` leaves the
+    pooled rules to a later :func:`check_pooled` over all of them."""
+    rep = FuzzReport(family) if into is None else into
     for seed in seeds:
         rep.configs += 1
         try:
@@ -620,10 +622,16 @@ def check_seeds(family: str, seeds) -> FuzzReport:
                     rep.pooled_cos[1] += c.cos_terms[1]
             if not c.passed and not (small and c.only_statistics):
                 rep.failures.append(f"{repro(family, seed)}  -> {r.case} {r.output}: {c}")
+    return check_pooled(rep) if pooled else rep
+
+
+def check_pooled(rep: FuzzReport) -> FuzzReport:
+    """The statistical rules over the pooled elements of the report's small tensors."""
+    from ..testing import MAX_COS_DIFF, cos_from_terms
     for (rule, share), (good, n) in rep.pooled.items():
         if n and good / n < share:
-            rep.failures.append(f"{family}: pooled {rule} share {good / n:.4%} < {share:.1%} over {n} elements")
+            rep.failures.append(f"{rep.family}: pooled {rule} share {good / n:.4%} < {share:.1%} over {n} elements")
     cd = cos_from_terms(*rep.pooled_cos)
     if cd > MAX_COS_DIFF:
-        rep.failures.append(f"{family}: pooled cos_diff {cd:.2e} of the small bf16 tensors > {MAX_COS_DIFF}")
+        rep.failures.append(f"{rep.family}: pooled cos_diff {cd:.2e} of the small bf16 tensors > {MAX_COS_DIFF}")
     return rep
