@@ -93,6 +93,33 @@ inline float order_value(uint64_t key) {
   return __builtin_bit_cast(float, (ascending & 0x80000000u) ? (ascending & 0x7FFFFFFFu) : ~ascending);
 }
 
+// Sorts ``a`` ascending: least-significant-digit radix sort over the 8-bit digits in which the keys
+// differ (a row's candidates differ in the low index bits and the score bits only, so a few passes),
+// branch-free where a comparison sort of random scores mispredicts every other compare.
+void radix_sort(std::vector<uint64_t>& a, std::vector<uint64_t>& tmp) {
+  const size_t n = a.size();
+  if (n < 64) {
+    std::sort(a.begin(), a.end());
+    return;
+  }
+  uint64_t diff = 0;
+  for (const uint64_t x : a) diff |= x ^ a[0];
+  tmp.resize(n);
+  for (int shift = 0; shift < 64; shift += 8) {
+    if (((diff >> shift) & 0xFF) == 0) continue;          // every key has this digit: the order stands
+    size_t count[256] = {};
+    for (const uint64_t x : a) ++count[(x >> shift) & 0xFF];
+    size_t at = 0;
+    for (size_t& c : count) {
+      const size_t m = c;
+      c = at;
+      at += m;
+    }
+    for (const uint64_t x : a) tmp[count[(x >> shift) & 0xFF]++] = x;
+    a.swap(tmp);
+  }
+}
+
 // The best k of a stream of keys arriving in ascending key order.
 class RunningTopK {
  public:
@@ -115,8 +142,7 @@ class RunningTopK {
 
   // the kept keys in order: values (-inf past the count) and indices (0 past it)
   void write(float* values, int64_t* indices) {
-    shrink();
-    std::sort(cand_.begin(), cand_.end());
+    radix_sort(cand_, tmp_);                      // every candidate: the first k are the best
     const int64_t m = static_cast<int64_t>(cand_.size());
     for (int64_t j = 0; j < k_; ++j) {
       values[j] = j < m ? order_value(cand_[j]) : -std::numeric_limits<float>::infinity();
@@ -126,14 +152,19 @@ class RunningTopK {
 
  private:
   void shrink() {                                 // back to the best k; the k-th is the new bar
-    if (static_cast<int64_t>(cand_.size()) < k_) return;
+    const int64_t size = static_cast<int64_t>(cand_.size());
+    if (size < k_) return;
+    if (size == k_) {                             // (the first k: all kept, the bar is the worst)
+      bar_ = *std::max_element(cand_.begin(), cand_.end());
+      return;
+    }
     std::nth_element(cand_.begin(), cand_.begin() + (k_ - 1), cand_.end());
     cand_.resize(k_);
     bar_ = cand_[k_ - 1];
   }
 
   int64_t k_;
-  std::vector<uint64_t> cand_;
+  std::vector<uint64_t> cand_, tmp_;
   uint64_t bar_ = ~uint64_t(0);
 };
 
