@@ -102,10 +102,10 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
         [lo, hi) of global row record g (a partial state, normalised, LSE without the sink).  Whole
         rows take the compiled kernel where it runs; partial states stay fp32 (not rounded to the
         query dtype) until they are merged, as the FD workspace holds them."""
-        whole = native is not None and blocks is None and with_sinks
-        k = fast.native_keys(P, native[1], t0, t1) if whole else P.keys(t0, t1)
+        compiled = native is not None and blocks is None and with_sinks
+        k = fast.native_keys(P, native[1], t0, t1) if compiled else P.keys(t0, t1)
         mask = k.mask
-        if whole:
+        if compiled:
             o, lse = fast.native_rows(P, *native, qf, k, t0, t1, None if sinks is None else sinks.float())
             return (o.to(cdt), lse.to(cdt)), mask.any(-1)
         if blocks is not None:
