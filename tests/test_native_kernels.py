@@ -270,3 +270,12 @@ def test_paged_rows_equal_locate_and_flat_index(native_module, gen):
     good = mask & (x < nbt * bs) & (table[b.expand_as(x), (x // bs).clamp(max=nbt - 1)] >= 0) & \
         (table[b.expand_as(x), (x // bs).clamp(max=nbt - 1)] < nb)
     assert torch.equal(src.rows_index(b, x, good, check=True), src.flat_index(*src.locate(b, x, good, check=True), good))
+
+
+@pytest.mark.parametrize("rows,cols", [(16, 16), (64, 256), (37, 50), (5, 3), (48, 17)])
+def test_operand_transposes_match_the_element_loop(native_module, rows, cols):
+    """The 32-bit transposes that pack GEMM operands: the scalar tile (what an AVX2 machine runs), the
+    AVX-512 tile where this CPU has it, and the edges of partial tiles."""
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    assert native_module.transposes_match(rows, cols)

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 // The attention and indexer kernels run on ATen's exported batch-reduce GEMM (cpublas::brgemm,
 // oneDNN's ukernel), which CPUBlas.h announces with these macros (recent torch versions); with a
@@ -77,6 +78,32 @@ inline void transpose_words(const uint32_t* src, int64_t ls, int64_t rows, int64
     for (int64_t c = 0; c < c16; c += 16) tile(src + r * ls + c, ls, dst + c * ld + r, ld);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = r < r16 ? c16 : 0; c < cols; ++c) dst[c * ld + r] = src[r * ls + c];
+}
+
+// Test hook: every tile implementation this CPU runs (the scalar one always, AVX-512 where
+// present) and the edge handling of transpose_words agree with the element loop on a rows x cols
+// block with row strides ls / ld.
+inline bool transposes_match(int64_t rows, int64_t cols) {
+  const int64_t ls = cols + 3, ld = rows + 5;
+  std::vector<uint32_t> src(rows * ls), want(cols * ld, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = uint32_t(i * 2654435761u);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) want[c * ld + r] = src[r * ls + c];
+  std::vector<uint32_t> got(cols * ld, 0);
+  transpose_words(src.data(), ls, rows, cols, got.data(), ld);
+  bool ok = got == want;
+  using Tile = void (*)(const uint32_t*, int64_t, uint32_t*, int64_t);
+  std::vector<Tile> tiles{transpose_tile16_scalar};
+  if (__builtin_cpu_supports("avx512f")) tiles.push_back(transpose_tile16_avx512);
+  for (Tile tile : tiles) {
+    std::fill(got.begin(), got.end(), 0u);
+    const int64_t r16 = rows / 16 * 16, c16 = cols / 16 * 16;     // the full tiles
+    for (int64_t r = 0; r < r16; r += 16)
+      for (int64_t c = 0; c < c16; c += 16) tile(src.data() + r * ls + c, ls, got.data() + c * ld + r, ld);
+    for (int64_t r = 0; r < r16; ++r)
+      for (int64_t c = 0; c < c16; ++c) ok = ok && got[c * ld + r] == want[c * ld + r];
+  }
+  return ok;
 }
 
 template <typename T>

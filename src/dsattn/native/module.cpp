@@ -53,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this torch exports the batch-reduce GEMM the attention and indexer kernels run on");
   m.def("attention_gemm", &attention_gemm, "which GEMM the forward runs for a query dtype: packed or fp32");
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
+  m.def("transposes_match", &dsattn_native::transposes_match,
+        "test hook: the 32-bit transposes (scalar and AVX-512 tiles, edges) equal the element loop");
   m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys");
   m.def("compressor_pool", &compressor_pool, "the compressor's gated softmax pooling of output rows over their slots");
   m.def("plan_coverage", &plan_coverage,
