@@ -237,10 +237,12 @@ def test_compressor_pool_rejects_rows_outside_its_sources(native_module):
     at = torch.tensor([[0, 4]])
     with pytest.raises(RuntimeError, match="new_at"):
         native_module.compressor_pool(kv, kv, torch.zeros(0, 8), kind, at, torch.zeros_like(at),
-                                      torch.ones(1, dtype=torch.bool), 1, 8)
+                                      torch.ones(1, dtype=torch.bool), 1)
     with pytest.raises(RuntimeError, match="state_at"):
         native_module.compressor_pool(kv, kv, torch.zeros(2, 8), kind + 1, torch.zeros_like(at), at - 3,
-                                      torch.ones(1, dtype=torch.bool), 1, 8)
+                                      torch.ones(1, dtype=torch.bool), 1)
+    with pytest.raises(RuntimeError, match="state: rows of D"):
+        native_module.compressor_pool(kv, kv, torch.zeros(2, 5), kind, at - 4, at - 4, torch.ones(1, dtype=torch.bool), 1)
 
 
 def test_paged_rows_equal_locate_and_flat_index(native_module, gen):

@@ -46,6 +46,14 @@ def _slot_half(pb: CompressorProblem) -> torch.Tensor:
     return (s >= pb.r).long() if pb.coff == 2 else torch.zeros_like(s)
 
 
+def _slot_rows(pb: CompressorProblem, x_row, loc):
+    """``(at_new, at_state)`` ``[n, coff·r]``: each slot's kv row among the projections viewed
+    ``[-1, D]`` (a projection row holds coff D-wide halves) and among the state rows viewed
+    ``[-1, D]`` (a state row holds [kv | score], coff halves each: the score is coff rows on)."""
+    half = _slot_half(pb)
+    return x_row * pb.coff + half, loc * (2 * pb.coff) + half
+
+
 def _gather_slots(pb: CompressorProblem, kv_new, sc_new, x_row, loc, hist, live, valid):
     """Every slot's (kv, score) rows ``[n, coff·r, D]``: a new token's projection, a state row
     written by an earlier call (``hist``), or for a dead slot kv 0 and score -inf (0 in rows
@@ -59,12 +67,9 @@ def _gather_slots(pb: CompressorProblem, kv_new, sc_new, x_row, loc, hist, live,
     coff, D = pb.coff, pb.D
     n, S = x_row.shape
     nS = n * S
-    half = _slot_half(pb)
     dt = kv_new.dtype
     i = torch.arange(nS, device=x_row.device).view(n, S)
-    # a projection row holds coff D-wide halves; a state row holds [kv | score], coff halves each
-    at_new = (x_row * coff + half).flatten()
-    at_state = (loc * (2 * coff) + half).flatten()
+    at_new, at_state = (t.flatten() for t in _slot_rows(pb, x_row, loc))
     has_state = pb.state.numel() > 0
     pick = torch.where(live, i, 2 * nS)
     if has_state:
@@ -95,12 +100,10 @@ def pool(pb: CompressorProblem, kv_new, sc_new, o0: int, o1: int, save: bool):
     loc, _ = pb.state_location(ob[:, None], pos, hist, reading=True)
     module = None if save or kv_new.device.type != "cpu" else native.load()
     if module is not None:        # the pooling in one compiled call (dsattn/native/compressor.cpp)
-        half = _slot_half(pb)
         # slot kinds as _gather_slots picks them: 0 dead, 1 new token, 2 state row (when there is a state)
         kind = live.long() + hist.long() if pb.state.numel() > 0 else live.long()
-        C = module.compressor_pool(kv_new, sc_new, pb.state.reshape(-1, pb.D), kind,
-                                   (x_row * coff + half).contiguous(), (loc * (2 * coff) + half).contiguous(),
-                                   valid.contiguous(), coff, pb.D)
+        at_new, at_state = _slot_rows(pb, x_row, loc)
+        C = module.compressor_pool(kv_new, sc_new, pb.state.reshape(-1, pb.D), kind, at_new, at_state, valid, coff)
         return C, valid, None
     kv, sc = _gather_slots(pb, kv_new, sc_new, x_row, loc, hist, live, valid)
     W = torch.softmax(sc, dim=1)

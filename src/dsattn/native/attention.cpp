@@ -596,16 +596,15 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
             do_plain[h * Dp + d] = in ? static_cast<mm_t>(static_cast<float>(dor[h * D + d])) : mm_t(0);
           }
         }
-      if constexpr (packed)                                     // B = q, dO by head pairs
-        for (int64_t i = 0; i < Hp / 2; ++i) {
-          const auto pair = [&](const std::vector<mm_t>& plain, std::vector<mm_t>& pairs) {
-            pack_pair(reinterpret_cast<const uint16_t*>(plain.data() + 2 * i * Dp),
-                      reinterpret_cast<const uint16_t*>(plain.data() + (2 * i + 1) * Dp), Dp, Hp, i,
-                      reinterpret_cast<uint16_t*>(pairs.data()));
-          };
-          pair(q_plain, q_pairs);
-          pair(do_plain, do_pairs);
-        }
+      if constexpr (packed) {                                   // B = q, dO by head pairs
+        const auto by_pairs = [&](const std::vector<mm_t>& plain, std::vector<mm_t>& pairs) {
+          const auto* rows = reinterpret_cast<const uint16_t*>(plain.data());
+          for (int64_t i = 0; i < Hp / 2; ++i)
+            pack_pair(rows + 2 * i * Dp, rows + (2 * i + 1) * Dp, Dp, Hp, i, reinterpret_cast<uint16_t*>(pairs.data()));
+        };
+        by_pairs(q_plain, q_pairs);
+        by_pairs(do_plain, do_pairs);
+      }
       // C [m, Dp] = A [m, Hp] x B [Hp, Dp] for the m keys of one chunk
       auto dk_gemm = [&](int64_t m, const mm_t* a, const std::vector<mm_t>& b_plain, const std::vector<mm_t>& b_pairs,
                          float* c) {

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -68,11 +67,19 @@ inline void transpose_tile16_scalar(const uint32_t* src, int64_t ls, uint32_t* d
       for (int64_t r = r0; r < r0 + 4; ++r) dst[c * ld + r] = src[r * ls + c];
 }
 
+using TransposeTile = void (*)(const uint32_t*, int64_t, uint32_t*, int64_t);
+
+inline TransposeTile best_transpose_tile() {
+  static const TransposeTile tile =
+      __builtin_cpu_supports("avx512f") ? transpose_tile16_avx512 : transpose_tile16_scalar;
+  return tile;
+}
+
 // dst[c * ld + r] = src[r * ls + c] for r < rows, c < cols (32-bit elements): 16 x 16 tiles where
-// they fit (in registers on AVX-512), element by element at the edges.
-inline void transpose_words(const uint32_t* src, int64_t ls, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
-  using Tile = void (*)(const uint32_t*, int64_t, uint32_t*, int64_t);
-  static const Tile tile = __builtin_cpu_supports("avx512f") ? transpose_tile16_avx512 : transpose_tile16_scalar;
+// they fit (``tile``: in registers on AVX-512 by default), element by element at the edges.
+inline void transpose_words(const uint32_t* src, int64_t ls, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld,
+                            TransposeTile tile = nullptr) {
+  if (tile == nullptr) tile = best_transpose_tile();
   const int64_t r16 = rows / 16 * 16, c16 = cols / 16 * 16;
   for (int64_t r = 0; r < r16; r += 16)
     for (int64_t c = 0; c < c16; c += 16) tile(src + r * ls + c, ls, dst + c * ld + r, ld);
@@ -80,28 +87,21 @@ inline void transpose_words(const uint32_t* src, int64_t ls, int64_t rows, int64
     for (int64_t c = r < r16 ? c16 : 0; c < cols; ++c) dst[c * ld + r] = src[r * ls + c];
 }
 
-// Test hook: every tile implementation this CPU runs (the scalar one always, AVX-512 where
-// present) and the edge handling of transpose_words agree with the element loop on a rows x cols
-// block with row strides ls / ld.
+// Test hook: transpose_words with every tile implementation this CPU runs (the scalar one always,
+// AVX-512 where present) equals the element loop on a rows x cols block with padded row strides.
 inline bool transposes_match(int64_t rows, int64_t cols) {
   const int64_t ls = cols + 3, ld = rows + 5;
   std::vector<uint32_t> src(rows * ls), want(cols * ld, 0);
   for (size_t i = 0; i < src.size(); ++i) src[i] = uint32_t(i * 2654435761u);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) want[c * ld + r] = src[r * ls + c];
-  std::vector<uint32_t> got(cols * ld, 0);
-  transpose_words(src.data(), ls, rows, cols, got.data(), ld);
-  bool ok = got == want;
-  using Tile = void (*)(const uint32_t*, int64_t, uint32_t*, int64_t);
-  std::vector<Tile> tiles{transpose_tile16_scalar};
+  std::vector<TransposeTile> tiles{transpose_tile16_scalar};
   if (__builtin_cpu_supports("avx512f")) tiles.push_back(transpose_tile16_avx512);
-  for (Tile tile : tiles) {
-    std::fill(got.begin(), got.end(), 0u);
-    const int64_t r16 = rows / 16 * 16, c16 = cols / 16 * 16;     // the full tiles
-    for (int64_t r = 0; r < r16; r += 16)
-      for (int64_t c = 0; c < c16; c += 16) tile(src.data() + r * ls + c, ls, got.data() + c * ld + r, ld);
-    for (int64_t r = 0; r < r16; ++r)
-      for (int64_t c = 0; c < c16; ++c) ok = ok && got[c * ld + r] == want[c * ld + r];
+  bool ok = true;
+  for (TransposeTile tile : tiles) {
+    std::vector<uint32_t> got(cols * ld, 0);
+    transpose_words(src.data(), ls, rows, cols, got.data(), ld, tile);
+    ok = ok && got == want;
   }
   return ok;
 }

@@ -74,8 +74,10 @@ void pool_rows(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Ten
 
 at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Tensor& state,
                            const at::Tensor& kind, const at::Tensor& new_at, const at::Tensor& state_at,
-                           const at::Tensor& valid, int64_t coff, int64_t D) {
+                           const at::Tensor& valid, int64_t coff) {
   const auto dt = kv_new.scalar_type();
+  TORCH_CHECK(coff >= 1 && kv_new.dim() == 2 && kv_new.size(1) % coff == 0, "kv_new: expected [rows, coff·D]");
+  const int64_t D = kv_new.size(1) / coff;
   TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, "kv_new: expected float32 or float64, got ", dt);
   for (const auto* t : {&kv_new, &sc_new, &state})
     TORCH_CHECK(t->scalar_type() == dt && t->is_contiguous() && t->device().is_cpu(),
@@ -86,15 +88,15 @@ at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, c
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "kind, new_at, state_at: contiguous int64");
   TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous() && valid.numel() == kind.size(0),
               "valid: contiguous bool [n]");
+  TORCH_CHECK(D >= 1 && sc_new.sizes() == kv_new.sizes() && state.numel() % D == 0,
+              "sc_new: shaped like kv_new; state: rows of D = ", D);
   // every row a slot names must lie inside its source (the caller builds them; a bad one must not read out of bounds)
-  const int64_t new_rows = kv_new.numel() / std::max<int64_t>(D, 1), state_rows = state.numel() / std::max<int64_t>(D, 1);
+  const int64_t new_rows = kv_new.numel() / D, state_rows = state.numel() / D;
   const int64_t *kd = kind.data_ptr<int64_t>(), *na = new_at.data_ptr<int64_t>(), *sa = state_at.data_ptr<int64_t>();
   for (int64_t i = 0; i < kind.numel(); ++i) {
     TORCH_CHECK(kd[i] != 1 || (na[i] >= 0 && na[i] < new_rows), "new_at: row ", na[i], " outside kv_new");
     TORCH_CHECK(kd[i] != 2 || (sa[i] >= 0 && sa[i] + coff < state_rows), "state_at: row ", sa[i], " outside state");
   }
-  TORCH_CHECK(kv_new.numel() == sc_new.numel() && kv_new.numel() % std::max<int64_t>(D, 1) == 0 &&
-              state.numel() % std::max<int64_t>(D, 1) == 0, "kv_new, sc_new, state: rows of D");
   auto out = at::empty({kind.size(0), D}, kv_new.options());
   if (dt == at::kFloat)
     pool_rows<float>(kv_new, sc_new, state, kind, new_at, state_at, valid, coff, out);

@@ -30,7 +30,7 @@ std::vector<torch::Tensor> indexer_topk(const torch::Tensor& q, const torch::Ten
 
 at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Tensor& state,
                            const at::Tensor& kind, const at::Tensor& new_at, const at::Tensor& state_at,
-                           const at::Tensor& valid, int64_t coff, int64_t D);
+                           const at::Tensor& valid, int64_t coff);
 
 std::tuple<std::vector<torch::Tensor>, std::string> plan_coverage(
     const torch::Tensor& table, int64_t num_heads_q, std::vector<int64_t> S1, std::vector<int64_t> S2, bool has_cmp,

@@ -160,16 +160,19 @@ __attribute__((always_inline)) inline bool bounds_at(const Params& pp, const Bat
   return true;
 }
 
-__attribute__((always_inline)) inline Shape shape_at(const Params& pp, const Batch& g, i64 idx) {
+// Row ``idx``'s key range clipped to [0, S2) in ``fst`` / ``lst``; false (both 0) when it sees no key.
+__attribute__((always_inline)) inline bool clipped_range(const Params& pp, const Batch& g, i64 idx, i64& fst, i64& lst) {
   i64 first = 0, last = 0;
-  const bool empty = !bounds_at(pp, g, idx, first, last);
-  i64 win_end, win_tail, lst;
-  if (empty || first >= g.S2 || last < 0 || last < first) {
-    win_end = win_tail = 0;
-    lst = 0;
-  } else {
-    const i64 fst = std::max<i64>(first, 0);
-    lst = std::min<i64>(last, g.S2 - 1);
+  fst = lst = 0;
+  if (!bounds_at(pp, g, idx, first, last) || first >= g.S2 || last < 0 || last < first) return false;
+  fst = std::max<i64>(first, 0);
+  lst = std::min<i64>(last, g.S2 - 1);
+  return true;
+}
+
+__attribute__((always_inline)) inline Shape shape_at(const Params& pp, const Batch& g, i64 idx) {
+  i64 fst, lst, win_end = 0, win_tail = 0;
+  if (clipped_range(pp, g, idx, fst, lst)) {
     win_end = (lst - fst) / S2_BASE + 1;
     win_tail = (lst - fst + 1) % S2_BASE;
   }
@@ -551,20 +554,15 @@ struct Reader {
     for (i64 b = 0; b < B; ++b) {
       const Batch g = batch_of(pp, b);
       for (i64 idx = 0; idx < off[b + 1] - off[b]; ++idx) {
-        i64 fst = 0, lst = 0;
-        const bool empty = !bounds_at(pp, g, idx, fst, lst) || fst >= g.S2 || lst < 0 || lst < fst;
-        fst = empty ? 0 : std::max<i64>(fst, 0);
-        lst = empty ? 0 : std::min<i64>(lst, g.S2 - 1);
-        const i64 we = empty ? 0 : (lst - fst) / S2_BASE + 1;
-        const i64 cmp_tok = pp.has_cmp ? (lst + 1) / pp.cmp_ratio : 0;
-        const i64 act = pp.is_scfa() ? std::min(cmp_tok, pp.cmp_topk) : cmp_tok;
-        const i64 ce = act == 0 ? we : we + (act - 1) / S2_BASE + 1;
-        const i64 g_ = off[b] + idx;
-        first[g_] = fst;
-        win_end[g_] = we;
-        blocks[g_] = ce;
-        s2_start[g_] = we > 0 ? 0 : we;
-        s2_end[g_] = ce > we ? ce : we;
+        i64 fst, lst;
+        clipped_range(pp, g, idx, fst, lst);          // (the window's first key; 0 for a row without keys)
+        const Row r = row_at(pp, g, idx);
+        const i64 at = off[b] + idx;
+        first[at] = fst;
+        win_end[at] = r.win_end;
+        blocks[at] = r.blocks;
+        s2_start[at] = r.s2_start;
+        s2_end[at] = r.s2_end;
       }
     }
   }

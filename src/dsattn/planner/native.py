@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .fast import Rows
 from .params import PlanParams, checked_arguments
 from .table import Coverage, Segment
 
@@ -36,8 +37,7 @@ class RowGeometry:
     m_base: int
     B: int
 
-    def m_size(self, bn2: int, m: int) -> int:
-        return min(self.m_base, int(self.S1v[bn2]) * self.G - m * self.m_base)
+    m_size = Rows.m_size            # (reads m_base, G and S1v only)
 
 
 def read_plan(module, metadata: torch.Tensor, pp: PlanParams, check: bool):

@@ -70,10 +70,13 @@ def native_sources(P: MlaProblem):
 
 
 def _native_operands(P: MlaProblem, src, flat, x, addr, mask, k):
-    """(rows, index) for the compiled kernel: the source's flat rows and flat row numbers; or, for
-    packed / strided sources, the block's rows gathered (and decoded) here, numbered in order."""
+    """(rows, index) for the compiled kernel: the source's flat rows and flat row numbers (from the
+    positions, with the block-table checks, when ``k`` carries no addresses); or, for packed /
+    strided sources, the block's rows gathered (and decoded) here, numbered in order."""
     if flat is not None:
-        return flat, P.native_index(src, x, mask, k) if addr is None else src.flat_index(*addr, mask).contiguous()
+        if addr is None:
+            return flat, src.rows_index(k.batch, x, mask, check=P.content)
+        return flat, src.flat_index(*addr, mask).contiguous()
     rows = src.gather(*addr)                                            # [r, W, D], decoded
     r, w = mask.shape
     index = torch.arange(r * w, device=mask.device).view(r, w)

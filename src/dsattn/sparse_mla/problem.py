@@ -88,7 +88,7 @@ class MlaProblem:
     def keys(self, t0: int, t1: int, addresses: bool = True) -> RowKeys:
         """Vectorised key selection (§1.2) for flattened query rows ``[t0, t1)``.  ``addresses=False``
         leaves the physical addresses (and the block-table checks) to the caller, which turns the
-        positions into flat row numbers itself (:meth:`native_index`)."""
+        positions into flat row numbers itself (:meth:`KVSource.rows_index` with ``check=content``)."""
         rows, dev = self.rows, self.q.device
         b = rows.batch[t0:t1]
         i = rows.local[t0:t1]
@@ -115,11 +115,6 @@ class MlaProblem:
         cm = cm & valid[:, None]
         caddr = self.cmp.locate(b[:, None], cx, cm, check=self.content) if addresses else None
         return RowKeys(valid, ox, om, oaddr, cx, cm, caddr, b[:, None])
-
-    def native_index(self, src: KVSource, x: torch.Tensor, mask: torch.Tensor, k: RowKeys) -> torch.Tensor:
-        """Flat row numbers (-1 = no key) of the keys ``x`` / ``mask`` of ``src`` for the rows of ``k``,
-        with the block-table checks of :meth:`keys` (content checks on)."""
-        return src.rows_index(k.batch, x, mask, check=self.content)
 
     def gather(self, k: RowKeys, dtype: torch.dtype) -> torch.Tensor:
         """Key rows ``[R, W, D]`` in ``dtype``; rows of masked slots are exactly zero (whatever
