@@ -39,8 +39,10 @@ def native_module():
 
 @pytest.fixture
 def gen():
-    """A generator seeded fresh per test (inputs differ between runs, reproducible from the seed)."""
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    """A generator seeded fresh per test (inputs differ between runs), reproducible from the seed it
+    prints: ``DSATTN_TEST_SEED=<seed> pytest <test>`` replays it."""
+    fixed = os.environ.get("DSATTN_TEST_SEED")
+    seed = int(fixed) if fixed else int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"gen: seed {seed}")          # pytest shows it under "Captured stdout setup" when the test fails
     g = torch.Generator().manual_seed(seed)
     return g

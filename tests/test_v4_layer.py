@@ -277,8 +277,12 @@ def assert_caches_match(got, want, rtol, atol):
         assert torch.equal(un_v, un_e), k
         if v.dtype in PAYLOADS.values():
             scales = _dequant_packed(v)[1]
+            # the quantised part: one quantisation step; the rope part (stored in bf16): one bf16 ulp,
+            # 2^(e - 8) for |x| in [2^(e-1), 2^e) -- up to 2^-7 |x|, not 2^-8 |x| (a seed that flipped a
+            # rope value of 0.0371 by its ulp, 2.4e-4, failed that)
+            _, exponent = torch.frexp(val_e[..., scales.size(-1) * CFG.kv_quant_tile:])
             step = torch.cat([scales.repeat_interleave(CFG.kv_quant_tile, -1),
-                              2.0 ** -8 * val_e[..., scales.size(-1) * CFG.kv_quant_tile:].abs()], -1)
+                              torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - 8)], -1)
             step = torch.where(un_v[..., None], 0.0, step)
             if v.dtype == torch.float8_e4m3fn:
                 step = step + 2.0 ** -3 * val_e.abs()
