@@ -82,6 +82,23 @@ def test_forward_many_keys_per_row(path, dtype):
     _forward_rows(case)
 
 
+@pytest.mark.parametrize("scale", [-0.3, 0.0], ids=["negative", "zero"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_forward_non_positive_scale(path, dtype, scale):
+    """bf16 rows take the maximum of the raw scores and scale it once, which is the maximum of the
+    scaled scores only for a positive scale; a zero or negative softmax_scale scales them first.
+    (Against the golden in the same dtype: the float64 checks' statistics assume a usual scale.)"""
+    case = cases.mla_case("TND", 4, dtype, seed=torch.randint(0, 2**31 - 1, ()).item())
+    case.kwargs["softmax_scale"] = scale
+    out, lse = ops.sparse_flash_mla(case.q, return_softmax_lse=True, **case.kwargs)
+    ref_out, ref_lse = reference.sparse_flash_mla(case.q, return_softmax_lse=True, **case.kwargs)
+    used = ~torch.isnan(case.q).any(-1)                        # padding rows are not compared
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out[used].float(), ref_out[used].float(), rtol=2 * eps, atol=2 * eps)
+    torch.testing.assert_close(lse[0][used], ref_lse[0][used], rtol=1e-5, atol=1e-5)   # lse [N_kv, T, H]
+    assert bool(path[1]) == (path[0] == "native")
+
+
 @pytest.mark.parametrize("sink", [float("inf"), float("-inf")])
 def test_forward_infinite_sinks(path, sink):
     case = cases.mla_case("BSND", 4, torch.bfloat16, seed=torch.randint(0, 2**31 - 1, ()).item())

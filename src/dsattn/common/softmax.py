@@ -139,7 +139,8 @@ def attend_branches(scores, masks, values, scale: float, sinks: torch.Tensor | N
     ``values``: list of ``("shared", V [W_i, D])`` (one key set for every row) or
     ``("per_row", V [n, W_i, D])``.  Returns ``(out [n, H, D], lse [n, H], has [n, 1])``: rows
     without a key get 0 / 0 and ``has`` False."""
-    s = [scale * x.masked_fill(~m[:, None, :], float("-inf")) for x, m in zip(scores, masks)]
+    # scaled, then masked: -inf scaled by a zero or negative softmax_scale would be NaN / +inf
+    s = [(scale * x).masked_fill(~m[:, None, :], float("-inf")) for x, m in zip(scores, masks)]
     m_ = stable_max(torch.stack([row_max(x) for x in s]).amax(0), sinks)
     l = torch.zeros_like(m_)
     acc = None
