@@ -93,8 +93,10 @@ def test_forward_non_positive_scale(path, dtype, scale):
     out, lse = ops.sparse_flash_mla(case.q, return_softmax_lse=True, **case.kwargs)
     ref_out, ref_lse = reference.sparse_flash_mla(case.q, return_softmax_lse=True, **case.kwargs)
     used = ~torch.isnan(case.q).any(-1)                        # padding rows are not compared
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(out[used].float(), ref_out[used].float(), rtol=2 * eps, atol=2 * eps)
+    # summation order only: two ulps of a half-precision output (a rounding flip); fp32 sums of
+    # ~100 terms differ by a few ulps
+    tol = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+    torch.testing.assert_close(out[used].float(), ref_out[used].float(), rtol=tol, atol=tol)
     torch.testing.assert_close(lse[0][used], ref_lse[0][used], rtol=1e-5, atol=1e-5)   # lse [N_kv, T, H]
     assert bool(path[1]) == (path[0] == "native")
 
