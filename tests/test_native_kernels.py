@@ -117,11 +117,24 @@ def test_packed_layout_is_the_ukernels(native_module):
     module = native_module
     if module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
-    for K, N in [(64, 512), (640, 64), (2, 16), (130, 48)]:
+    for K, N in [(64, 64), (640, 64), (2, 16), (130, 48)]:
         same = module.packed_layout_matches(K, N)
         if same is None:
             pytest.skip("this CPU has no packed bf16 GEMM (the fp32 GEMM path runs)")
         assert same, (K, N)
+
+
+@pytest.mark.parametrize("M, K, N", [(64, 640, 512), (64, 640, 576), (16, 130, 1040), (128, 64, 48), (3, 2, 16)])
+def test_gemm_through_wide_packed_panels_is_a_matmul(native_module, M, K, N):
+    # panels wider than cpublas::pack writes (up to 512 columns): the ukernel must read them as
+    # [K/2][w][2]; bf16 products are exact in fp32, so only the fp32 summation order differs
+    module = native_module
+    if module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    err = module.packed_gemm_error(M, K, N)
+    if err is None:
+        pytest.skip("this CPU has no packed bf16 GEMM (the fp32 GEMM path runs)")
+    assert err <= K * 2.0 ** -24, err
 
 
 def test_native_rejects_rows_out_of_range(native_module):

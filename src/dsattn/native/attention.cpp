@@ -12,10 +12,12 @@
 // half-precision values are exact in fp32 either way, so both paths have the golden's numerics.
 //
 // Layout of the work for one row (H heads padded to Hp, a multiple of 16; D padded to Dp):
-//   keys  [npad, Dp]  gathered rows, zero past the row's n keys and past D
+//   keys  [npad, Dp]  gathered rows, zero past the row's n keys and past D (with packed operands
+//                     they stream through a ring of RING rows, packed into V as they pass)
 //   S^T   [npad, Hp]  = keys x q^T   (A = the gathered keys as they are, B = q^T packed once per row)
 //   P     [Hp, npad]  exp(S - m) rounded to the query dtype, written transposed for the next GEMM
-//   O     [Hp, Dp]    = P x V        (B = V panels of 64 columns, packed for the ukernel)
+//   O     [Hp, Dp]    = P x V        (B = V in panels of up to PANEL columns, packed for the ukernel)
+// Every buffer is cache-line aligned (dsattn_native::Buffer): the ukernel ran at half rate without.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -40,7 +42,9 @@ using at::native::cpublas::brgemm_release;
 using at::native::cpublas::could_pack;
 
 constexpr int64_t KEY_ALIGN = 64;  // the key count is padded to a multiple of this
+constexpr int64_t RING = 128;      // keys per chunk of the forward's gather + S^T (a multiple of KEY_ALIGN)
 constexpr int64_t DK_CHUNK = 128;  // keys per dK GEMM in the backward (a multiple of KEY_ALIGN)
+using dsattn_native::Buffer;
 using dsattn_native::PANEL;
 using dsattn_native::round_up;
 
@@ -105,7 +109,47 @@ inline uint16_t bf16_bits(float x) {              // round to nearest even, as c
 
 inline float bf16_float(uint16_t bits) { return __builtin_bit_cast(float, uint32_t(bits) << 16); }   // exact
 
-// P [Hp, npad] from e = S^T [n, Hp]: p[h, j] = bf16(e[j, h]), 0 for the padded keys j >= n.
+// m[h] = max(m[h], s[j, h]) over rows j < n (NaN propagates into m); s is only read.
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void column_max(const float* __restrict__ s, int64_t n, int64_t Hp, float* __restrict__ m) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* __restrict__ row = s + j * Hp;
+    for (int64_t h = 0; h < Hp; ++h) m[h] = (row[h] > m[h] || row[h] != row[h]) ? row[h] : m[h];
+  }
+}
+
+// The softmax's numerators for bf16 queries in one pass over S^T [n, Hp] (raw scores, not yet
+// scaled): e = exp(scale s - m[h]) (the scaled score rounded to fp32 first, as the golden forms
+// S), l[h] += e in key order, and P [Hp, npad] = bf16(e) written key-major through a 16 x 16 tile
+// in L1 (each P row then gets 16 keys per store); P = 0 for the padded keys j >= n.
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void softmax_numerators_bf16(const float* __restrict__ s, int64_t n, int64_t npad, int64_t Hp, float scale,
+                             const float* __restrict__ m, float* __restrict__ l, uint16_t* __restrict__ p) {
+  constexpr int64_t T = 16;
+  alignas(64) float e[T * T], tile[T * T];
+  const int64_t n16 = n / T * T;
+  for (int64_t j0 = 0; j0 < n16; j0 += T)
+    for (int64_t h0 = 0; h0 < Hp; h0 += T) {
+      for (int64_t j = 0; j < T; ++j)
+        for (int64_t h = 0; h < T; ++h) {
+          const float x = exp_nonpositive(s[(j0 + j) * Hp + h0 + h] * scale - m[h0 + h]);
+          e[j * T + h] = x;
+          l[h0 + h] += x;
+        }
+      dsattn_native::transpose32(e, T, T, T, tile, T);   // tile[h, j]
+      for (int64_t h = 0; h < T; ++h)
+        for (int64_t j = 0; j < T; ++j) p[(h0 + h) * npad + j0 + j] = bf16_bits(tile[h * T + j]);
+    }
+  for (int64_t j = n16; j < n; ++j)
+    for (int64_t h = 0; h < Hp; ++h) {
+      const float x = exp_nonpositive(s[j * Hp + h] * scale - m[h]);
+      l[h] += x;
+      p[h * npad + j] = bf16_bits(x);
+    }
+  for (int64_t h = 0; h < Hp; ++h) std::fill(p + h * npad + n, p + (h + 1) * npad, uint16_t(0));
+}
+
+// [Hp, npad] from e = [n, Hp]: p[h, j] = bf16(e[j, h]), 0 for the padded keys j >= n (the backward's dS^T).
 // Transposed 16 x 16 at a time through a tile in L1 (each P row then gets 16 keys per store).
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void p_from_scores_bf16(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, uint16_t* __restrict__ p) {
@@ -178,25 +222,28 @@ struct RowAttention {
   float scale;
   const float* sinks;  // [H] or null
 
-  mm_t *keys, *q_b, *v_packed, *p;                  // per-thread buffers (Workspace)
+  mm_t *keys, *ring, *q_b, *v_packed, *p;           // per-thread buffers (Workspace)
   float *s, *o, *m, *l, *inv;
 
   // Buffers that live as long as the thread: grown when a call needs more, never cleared (every
   // element a row reads is written first).
   struct Workspace {
-    std::vector<mm_t> keys, q_b, v_packed, p;
-    std::vector<float> s, o, m, l, inv;
+    Buffer<mm_t> keys, ring, q_b, v_packed, p;
+    Buffer<float> s, o, m, l, inv;
   };
 
   template <typename T>
-  static T* sized(std::vector<T>& v, int64_t n) {
+  static T* sized(Buffer<T>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
     return v.data();
   }
 
-  void reserve(int64_t npad_max) {
+  // whole_keys: room for all of a row's keys at once (the backward; the forward's packed path
+  // streams them through the ring)
+  void reserve(int64_t npad_max, bool whole_keys) {
     static thread_local Workspace ws;
-    keys = sized(ws.keys, npad_max * Dp);
+    keys = whole_keys ? sized(ws.keys, npad_max * Dp) : nullptr;
+    ring = packed ? sized(ws.ring, RING * Dp) : nullptr;
     q_b = sized(ws.q_b, Dp * Hp);
     v_packed = packed ? sized(ws.v_packed, npad_max * Dp) : nullptr;
     p = sized(ws.p, Hp * npad_max);
@@ -211,41 +258,70 @@ struct RowAttention {
 
   void load_query(const scalar_t* q) { dsattn_native::pack_query<scalar_t, mm_t>(q, H, D, Hp, Dp, q_b); }
 
-  // keys [npad, Dp]: the row's key rows, then zero rows (their P is zero too, but 0 * NaN would
-  // not be); for the ukernel also V packed, pair by pair while the rows are in L1.  The rows are
-  // scattered over the cache, so the copy would wait on memory row after row: rows a few places
-  // ahead are prefetched.
-  void gather(const std::vector<const scalar_t*>& rows, int64_t npad) {
-    constexpr int64_t AHEAD = 8;
+  // Key slots [i0, i1) of the row's npad (the key rows, then zero rows: their P is zero too, but
+  // 0 * NaN would not be) into dst [i1 - i0, Dp]; for the ukernel also V packed, pair by pair
+  // while the rows are in L1 (i0 even).  The rows are scattered over the cache, so the copy would
+  // wait on memory row after row: rows AHEAD places ahead are prefetched, into L2 (prefetcht1),
+  // one line in four (the adjacent-line and stream prefetchers fetch the rest).  A decode row
+  // stalls at the prefetches, the core's outstanding misses all in use; so fewer, earlier ones
+  // help: 640 random 1 KB rows of a 4 GB cache took 150 us with every line prefetched 8 rows
+  // ahead into L1, 135 us into L2 16 rows ahead, 108-112 us one line in four (one core); rows
+  // of an L2- or L3-sized cache were as fast or faster.
+  void gather(const std::vector<const scalar_t*>& rows, int64_t npad, int64_t i0, int64_t i1, mm_t* dst) {
+    constexpr int64_t AHEAD = 16, PREFETCH_STRIDE = 256;
     const int64_t n = static_cast<int64_t>(rows.size());
     const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-    auto pack = [&](int64_t i) {                     // rows 2i, 2i+1 of keys into v_packed
-      const auto* a = reinterpret_cast<const uint16_t*>(keys + 2 * i * Dp);
-      pack_pair(a, a + Dp, Dp, npad, i, reinterpret_cast<uint16_t*>(v_packed));
-    };
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + AHEAD < n)
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[i + AHEAD]) + b, 0, 3);
-      mm_t* dst = keys + i * Dp;
-      const scalar_t* src = rows[i];
-      if constexpr (std::is_same_v<scalar_t, mm_t>) {
-        std::memcpy(dst, src, bytes);
+    for (int64_t i = i0; i < i1; ++i) {
+      mm_t* to = dst + (i - i0) * Dp;
+      if (i < n) {
+        if (i + AHEAD < n)
+          for (int64_t b = 0; b < bytes; b += PREFETCH_STRIDE)
+            __builtin_prefetch(reinterpret_cast<const char*>(rows[i + AHEAD]) + b, 0, 2);
+        const scalar_t* src = rows[i];
+        if constexpr (std::is_same_v<scalar_t, mm_t>) {
+          std::memcpy(to, src, bytes);
+        } else {
+          for (int64_t d = 0; d < D; ++d) to[d] = as_operand(src[d]);
+        }
+        std::fill(to + D, to + Dp, mm_t(0));
       } else {
-        for (int64_t d = 0; d < D; ++d) dst[d] = as_operand(src[d]);
+        std::fill(to, to + Dp, mm_t(0));
       }
-      std::fill(dst + D, dst + Dp, mm_t(0));
       if constexpr (packed)
-        if (i % 2 == 1) pack(i / 2);
+        if (i % 2 == 1) {
+          const auto* a = reinterpret_cast<const uint16_t*>(to - Dp);
+          pack_pair(a, a + Dp, Dp, npad, i / 2, reinterpret_cast<uint16_t*>(v_packed));
+        }
     }
-    std::fill(keys + n * Dp, keys + npad * Dp, mm_t(0));
-    if constexpr (packed)
-      for (int64_t i = n / 2; i < npad / 2; ++i) pack(i);
   }
 
+  // keys [npad, Dp] whole (the backward multiplies them more than once)
+  void gather(const std::vector<const scalar_t*>& rows, int64_t npad) { gather(rows, npad, 0, npad, keys); }
+
+  // S^T [npad, Hp] = keys x q^T.  With packed operands the keys stream through a ring of RING
+  // rows: each chunk's rows of S^T are multiplied while it is in L1 / L2 and only the packed V
+  // stays.  A whole key copy (640 KB for V4's 640 keys) beside the packed V (as much again) filled
+  // L2 and pushed V out before P V: gather + S + P V took 18 % longer per row that way (one
+  // core, 640 random rows of a 2 MB cache).  Without packing, P V reads the keys themselves.
+  void gather_scores(const std::vector<const scalar_t*>& rows, int64_t npad) {
+    if constexpr (packed) {
+      for (int64_t c0 = 0; c0 < npad; c0 += RING) {
+        const int64_t m = std::min(RING, npad - c0);
+        gather(rows, npad, c0, c0 + m, ring);
+        for (int64_t h0 = 0; h0 < Hp; h0 += PANEL)
+          brgemm(m, std::min(PANEL, Hp - h0), Dp, Dp, std::min(PANEL, Hp - h0), Hp, false, ring, q_b + h0 * Dp,
+                 s + c0 * Hp + h0, true);
+      }
+    } else {
+      gather(rows, npad);
+      for (int64_t h0 = 0; h0 < Hp; h0 += PANEL)
+        brgemm(npad, std::min(PANEL, Hp - h0), Dp, Dp, Hp, Hp, false, keys, q_b + h0, s + h0, false);
+    }
+  }
+
+  // P from the exponentials in s (the paths other than bf16, whose P softmax_numerators_bf16 writes)
   void p_from_scores(int64_t n, int64_t npad) {
-    if constexpr (std::is_same_v<mm_t, at::BFloat16>) {
-      p_from_scores_bf16(s, n, npad, Hp, reinterpret_cast<uint16_t*>(p));
-    } else if constexpr (std::is_same_v<mm_t, float> && !std::is_same_v<scalar_t, at::Half>) {
+    if constexpr (std::is_same_v<mm_t, float> && !std::is_same_v<scalar_t, at::Half>) {
       p_from_scores_f32(s, n, npad, Hp, p, std::is_same_v<scalar_t, at::BFloat16>);
     } else {                                          // fp16 rounding: c10's conversion, element by element
       for (int64_t h = 0; h < Hp; ++h) {
@@ -277,26 +353,31 @@ struct RowAttention {
     }
     const int64_t npad = round_up(n, KEY_ALIGN);
     load_query(q);
-    gather(rows, npad);
-    // S^T = keys x q^T, one call per head panel
-    for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
-      const int64_t w = std::min(PANEL, Hp - h0);
-      if constexpr (packed)
-        brgemm(npad, w, Dp, Dp, w, Hp, false, keys, q_b + h0 * Dp, s + h0, true);
-      else
-        brgemm(npad, w, Dp, Dp, Hp, Hp, false, keys, q_b + h0, s + h0, false);
-      }
-    // the softmax's shift: the row maximum joined with the finite sinks; 0 where nothing is finite
+    gather_scores(rows, npad);
+    // the softmax's shift: the row maximum of scale * s joined with the finite sinks; 0 where
+    // nothing is finite.  bf16 queries: the maximum of the raw scores, scaled once (for scale > 0,
+    // max fl(scale s) = fl(scale max s): rounding is monotonic), and one pass for e, l and P.
+    constexpr bool fused = std::is_same_v<mm_t, at::BFloat16>;
+    const bool scaled_later = fused && scale > 0.0f;
     std::fill(m, m + Hp, -std::numeric_limits<float>::infinity());
-    scale_and_max(s, n, Hp, scale, m);
+    if (scaled_later) {
+      column_max(s, n, Hp, m);
+      for (int64_t h = 0; h < Hp; ++h) m[h] *= scale;
+    } else {
+      scale_and_max(s, n, Hp, scale, m);
+    }
     for (int64_t h = 0; h < Hp; ++h) {
       if (sinks != nullptr && h < H && std::isfinite(sinks[h])) m[h] = std::max(m[h], sinks[h]);
       if (!std::isfinite(m[h])) m[h] = 0.0f;
     }
     std::fill(l, l + Hp, 0.0f);
-    exp_and_sum(s, n, Hp, m, l);
-    p_from_scores(n, npad);                          // P = round(e) to the query dtype, [Hp, npad]
-    // O = P x V, one call per 64-column panel of V over all the row's keys
+    if constexpr (fused) {                           // P = round(e) to bf16, [Hp, npad]
+      softmax_numerators_bf16(s, n, npad, Hp, scaled_later ? scale : 1.0f, m, l, reinterpret_cast<uint16_t*>(p));
+    } else {
+      exp_and_sum(s, n, Hp, m, l);
+      p_from_scores(n, npad);                        // P = round(e) to the query dtype, [Hp, npad]
+    }
+    // O = P x V, one call per panel of V (up to PANEL columns) over all the row's keys
     for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
       const int64_t w = std::min(PANEL, Dp - d0);
       if constexpr (packed) {
@@ -304,7 +385,7 @@ struct RowAttention {
       } else {
         brgemm(Hp, w, npad, npad, Dp, Dp, false, p, keys + d0, o + d0, false);
       }
-      }
+    }
     for (int64_t h = 0; h < H; ++h) {
       const float den = l[h] + (sinks != nullptr ? std::exp(sinks[h] - m[h]) : 0.0f);
       inv[h] = 1.0f / den;
@@ -354,7 +435,7 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     RowAttention<scalar_t, mm_t> work{H, D, round_up(H, 16), round_up(D, 16), static_cast<float>(scale), sinks};
-    work.reserve(tables.npad_max());
+    work.reserve(tables.npad_max(), /*whole_keys=*/!RowAttention<scalar_t, mm_t>::packed);
     std::vector<const scalar_t*> keys;
     keys.reserve(tables.width);
     for (int64_t r = r0; r < r1; ++r) {
@@ -478,10 +559,10 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
     std::vector<float*> my_rows, dst_rows(width);                 // each source's accumulator, each key's row
     for (auto& t : my) my_rows.push_back(t.data_ptr<float>());
     RowAttention<scalar_t, mm_t> work{H, D, Hp, Dp, scale, sinks};
-    work.reserve(npad_max);
-    std::vector<mm_t> do_b(Dp * Hp), q_pairs(Hp * Dp), do_pairs(Hp * Dp), q_plain(Hp * Dp), do_plain(Hp * Dp),
+    work.reserve(npad_max, /*whole_keys=*/true);
+    Buffer<mm_t> do_b(Dp * Hp), q_pairs(Hp * Dp), do_pairs(Hp * Dp), q_plain(Hp * Dp), do_plain(Hp * Dp),
         ds_rows(npad_max * Hp), p_rows(npad_max * Hp), ds_t(Hp * npad_max);
-    std::vector<float> dp(npad_max * Hp), dsum(Hp), cq(Hp * Dp), ck(DK_CHUNK * Dp), ck2(DK_CHUNK * Dp), dsf(npad_max * Hp),
+    Buffer<float> dp(npad_max * Hp), dsum(Hp), cq(Hp * Dp), ck(DK_CHUNK * Dp), ck2(DK_CHUNK * Dp), dsf(npad_max * Hp),
         sink_dot(Hp), lse_pad(Hp), psum(npad_max), scales(Hp, scale);
     std::vector<const scalar_t*> keys;
     std::vector<std::pair<int, int64_t>> where;      // (source, row) of each gathered key
@@ -597,7 +678,7 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
           }
         }
       if constexpr (packed) {                                   // B = q, dO by head pairs
-        const auto by_pairs = [&](const std::vector<mm_t>& plain, std::vector<mm_t>& pairs) {
+        const auto by_pairs = [&](const Buffer<mm_t>& plain, Buffer<mm_t>& pairs) {
           const auto* rows = reinterpret_cast<const uint16_t*>(plain.data());
           for (int64_t i = 0; i < Hp / 2; ++i)
             pack_pair(rows + 2 * i * Dp, rows + (2 * i + 1) * Dp, Dp, Hp, i, reinterpret_cast<uint16_t*>(pairs.data()));
@@ -606,7 +687,7 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
         by_pairs(do_plain, do_pairs);
       }
       // C [m, Dp] = A [m, Hp] x B [Hp, Dp] for the m keys of one chunk
-      auto dk_gemm = [&](int64_t m, const mm_t* a, const std::vector<mm_t>& b_plain, const std::vector<mm_t>& b_pairs,
+      auto dk_gemm = [&](int64_t m, const mm_t* a, const Buffer<mm_t>& b_plain, const Buffer<mm_t>& b_pairs,
                          float* c) {
         for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
           const int64_t w = std::min(PANEL, Dp - d0);
@@ -761,19 +842,40 @@ std::string attention_gemm(const std::string& dtype) {
 }
 
 // Test hook: the packed V layout written by pack_pair equals cpublas::pack's for a random bf16
-// [K, N] matrix (K even), panel by panel.  None where the CPU has no packed bf16 GEMM.
+// [K, N] matrix (K even, N <= 64: the widths cpublas::pack writes).  None where the CPU has no
+// packed bf16 GEMM.
 c10::optional<bool> packed_layout_matches(int64_t K, int64_t N) {
   if (!could_pack(at::kBFloat16)) return c10::nullopt;
-  TORCH_CHECK(K % 2 == 0 && N % 16 == 0, "K even, N a multiple of 16");
+  TORCH_CHECK(K % 2 == 0 && N % 16 == 0 && N <= 64, "K even, N a multiple of 16 up to 64");
   const auto B = at::randn({K, N}).to(at::kBFloat16).contiguous();
   const auto* b = reinterpret_cast<const uint16_t*>(B.data_ptr());
   std::vector<uint16_t> ours(K * N), theirs(K * N);
   for (int64_t i = 0; i < K / 2; ++i) pack_pair(b + 2 * i * N, b + (2 * i + 1) * N, N, K, i, ours.data());
+  at::native::cpublas::pack(K, N, N, N, at::kBFloat16, at::kBFloat16, b, theirs.data());
+  return ours == theirs;
+}
+
+// Test hook: C [M, N] = A [M, K] B [K, N] for random bf16 A, B through pack_pair's panels (up to
+// PANEL columns each) and the ukernel, as the forward's P V runs; returns the largest
+// |C - C_ref| / (|A| |B|)_ij against an fp64 matmul of the same values.  None as above.
+c10::optional<double> packed_gemm_error(int64_t M, int64_t K, int64_t N) {
+  if (!could_pack(at::kBFloat16)) return c10::nullopt;
+  TORCH_CHECK(K % 2 == 0 && N % 16 == 0, "K even, N a multiple of 16");
+  const auto A = at::randn({M, K}).to(at::kBFloat16).contiguous();
+  const auto B = at::randn({K, N}).to(at::kBFloat16).contiguous();
+  Buffer<uint16_t> packed(K * N);
+  const auto* b = reinterpret_cast<const uint16_t*>(B.data_ptr());
+  for (int64_t i = 0; i < K / 2; ++i) pack_pair(b + 2 * i * N, b + (2 * i + 1) * N, N, K, i, packed.data());
+  auto C = at::empty({M, N}, at::kFloat);
+  const auto* bp = reinterpret_cast<const at::BFloat16*>(packed.data());
   for (int64_t d0 = 0; d0 < N; d0 += PANEL) {
     const int64_t w = std::min(PANEL, N - d0);
-    at::native::cpublas::pack(K, w, N, w, at::kBFloat16, at::kBFloat16, b + d0, theirs.data() + d0 * K);
+    brgemm(M, w, K, K, w, N, false, A.data_ptr<at::BFloat16>(), bp + d0 * K, C.data_ptr<float>() + d0, true);
   }
-  return ours == theirs;
+  brgemm_release(true);
+  const auto A64 = A.to(at::kDouble), B64 = B.to(at::kDouble);
+  const auto bound = at::matmul(A64.abs(), B64.abs());
+  return ((C.to(at::kDouble) - at::matmul(A64, B64)).abs() / bound).max().item<double>();
 }
 
 #else  // !DSATTN_HAVE_BRGEMM
@@ -791,5 +893,6 @@ std::vector<at::Tensor> sparse_attention_backward(const at::Tensor&, const at::T
 }
 std::string attention_gemm(const std::string&) { return "unavailable"; }
 c10::optional<bool> packed_layout_matches(int64_t, int64_t) { return c10::nullopt; }
+c10::optional<double> packed_gemm_error(int64_t, int64_t, int64_t) { return c10::nullopt; }
 
 #endif

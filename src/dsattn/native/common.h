@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -23,9 +25,44 @@
 
 namespace dsattn_native {
 
-constexpr int64_t PANEL = 64;  // a packed B panel of oneDNN's ukernel is 16, 32, 48 or 64 columns wide
+// The widest B panel of one GEMM call.  A packed 16-bit B panel of w columns is [K/2][w][2]: what
+// cpublas::pack writes for w <= 64 (its packing object refuses wider ones), and what the ukernel
+// reads for any w with ldb = w (ATen's flash attention packs V as one panel of the head size).
+// Wider calls are fewer and faster: P V with M 64, K 640 ran at 1.36 TFLOP/s per core in 64-column
+// panels and 1.72-1.84 in one 512-column panel (AMX, one core, operands in cache).
+// test_native_kernels checks both: the layout against cpublas::pack, the GEMM against a matmul.
+constexpr int64_t PANEL = 512;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- GEMM buffers ----
+//
+// Every buffer a GEMM reads or writes starts on a cache line.  An AMX tile row or a 64-byte vector
+// load that straddles two lines costs two loads: with std::vector's 16-byte alignment the
+// ukernel ran at half its rate on the attention row's shapes (S^T and P V, 640 keys x 512 dims:
+// ~25 us per GEMM aligned, 40-90 us not, measured on one core).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::size_t LINE = 64;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    const std::size_t bytes = (n * sizeof(T) + LINE - 1) / LINE * LINE;   // aligned_alloc wants a multiple
+    void* p = std::aligned_alloc(LINE, bytes == 0 ? LINE : bytes);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) noexcept { std::free(p); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+
+template <typename T>
+using Buffer = std::vector<T, CacheLineAllocator<T>>;
 
 // ---- 32-bit transposes (packing GEMM operands) ----
 //

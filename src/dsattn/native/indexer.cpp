@@ -196,8 +196,8 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
   int64_t* ip = indices.data_ptr<int64_t>();
   const HeadSum sum_heads = head_sum();
   at::parallel_for(0, R, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<mm_t> qb(Dp * Hp);
-    std::vector<float> c(CHUNK * Hp), score(CHUNK), wpad(Hp, 0.0f);
+    dsattn_native::Buffer<mm_t> qb(Dp * Hp);
+    dsattn_native::Buffer<float> c(CHUNK * Hp), score(CHUNK), wpad(Hp, 0.0f);
     RunningTopK best(k);
     for (int64_t t = t0; t < t1; ++t) {
       best.reset();

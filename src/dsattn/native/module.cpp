@@ -24,6 +24,7 @@ std::vector<torch::Tensor> sparse_attention_backward(const torch::Tensor& q, con
                                                      const c10::optional<torch::Tensor>& sinks, double scale);
 std::string attention_gemm(const std::string& dtype);
 c10::optional<bool> packed_layout_matches(int64_t K, int64_t N);
+c10::optional<double> packed_gemm_error(int64_t M, int64_t K, int64_t N);
 std::vector<torch::Tensor> indexer_topk(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& pages,
                                         int64_t page, const torch::Tensor& batch, const torch::Tensor& n,
                                         const torch::Tensor& w, int64_t topk);
@@ -53,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this torch exports the batch-reduce GEMM the attention and indexer kernels run on");
   m.def("attention_gemm", &attention_gemm, "which GEMM the forward runs for a query dtype: packed or fp32");
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
+  m.def("packed_gemm_error", &packed_gemm_error, "test hook: a GEMM through our packed panels against an fp64 matmul");
   m.def("transposes_match", &dsattn_native::transposes_match,
         "test hook: the 32-bit transposes (scalar and AVX-512 tiles, edges) equal the element loop");
   m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys");
