@@ -37,6 +37,28 @@ def _both_paths(family, name, q, kw, flops, repeat, results):
     results.append(Result(family, name, "dsattn (flash opt-in)", t, flops / 1e9))
 
 
+def random_row_read_seconds(cache: torch.Tensor, rows: int, calls: int = 5) -> float:
+    """Median seconds PyTorch's ``index_select`` takes to read ``rows`` rows of ``cache`` (its last
+    dim a row) at fresh random positions each call, into a preallocated buffer: a floor for any
+    kernel that must read that many randomly placed key rows from this cache on this machine."""
+    flat = cache.reshape(-1, cache.size(-1))
+    buf = torch.empty(rows, flat.size(1), dtype=flat.dtype)
+    picks = iter([torch.randint(0, flat.size(0), (rows,)) for _ in range(calls + 1)])
+    return timeit(lambda: torch.index_select(flat, 0, next(picks), out=buf), repeat=calls)
+
+
+def read_floor_note(kw, rows: int, flops: float, ceil) -> str:
+    """A CSA decode step reads its top-k compressed key rows at random places of the cache: the time
+    those reads alone take bounds the step from below, whatever its GEMMs do."""
+    cache = kw["cmp_kv"]
+    t_read = random_row_read_seconds(cache, rows)
+    mb = rows * cache.size(-1) * cache.element_size() / 1e6
+    t_gemm = flops / (max(ceil.bf16_gflops, ceil.fp32_gflops) * 1e9)
+    return (f"reads {mb:.0f} MB of random top-k key rows: index_select alone {t_read * 1e3:.2f} ms "
+            f"({mb / 1e3 / t_read:.1f} GB/s); the GEMMs at the best ceiling {t_gemm * 1e3:.2f} ms; so at most "
+            f"{100 * min(1.0, t_gemm / t_read):.0f} % of the ceiling even with every read hidden behind a GEMM")
+
+
 def golden_per_row(q, kw, rows=16):
     """Seconds per query row of the golden, timed on the last ``rows`` query rows of batch 0."""
     sub = q[:1, -rows:]
@@ -155,20 +177,24 @@ def run(smoke: bool = False, results=None) -> list[Result]:
         _both_paths(fam, "smoke prefill CSA 192", q, kw, flops, 1, results)
         results[-2].extra["matches_golden"] = bool(compare(_fwd(q, kw), reference.sparse_flash_mla(q, **kw)[0]))
         return results
+    ceil = measure_ceilings(2048)          # as the runner's: the GEMM rate the reads are weighed against
     for model, heads, topk in (("Flash", 64, 512), ("Pro", 128, 1024)):
         for ratio in (4, 128):
             q, kw, flops, _ = workloads.decode(heads=heads, ratio=ratio, topk=topk)
             name = f"decode {SCEN[ratio]} V4-{model} B32 8K-128K"
             _both_paths(fam, name, q, kw, flops, 3, results)
+            if ratio == 4:
+                results[-2].note = read_floor_note(kw, q.size(0) * topk, flops, ceil)
             g = _golden_decode(q, kw)
             results.append(Result(fam, name, "golden", g, flops / 1e9, note="32 requests, timed on 4, scaled"))
     # dense-masked and careful dense vs ours at 64K
-    ceil = measure_ceilings(1024)
     fast = torch.bfloat16 if ceil.bf16_gflops > ceil.fp32_gflops else torch.float32
     for ratio in (4, 128):
         q, kw, flops, S2o = workloads.decode(ratio=ratio, fixed=65536, seed=2)
         name = f"decode {SCEN[ratio]} V4-Flash B32 @64K"
         _both_paths(fam, name, q, kw, flops, 3, results)
+        if ratio == 4:
+            results[-2].note = read_floor_note(kw, q.size(0) * 512, flops, ceil)
         per_req = dense_masked_decode(q, kw, S2o)
         results.append(Result(fam, name, "dense-masked", per_req * 32, flops / 1e9, note="timed on 4 requests, x8"))
         per_req = careful_dense_decode(q, kw, S2o, fast)
