@@ -198,6 +198,11 @@ void pack_pair(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, i
   }
 }
 
+// A whole row-major [K, N] 16-bit matrix (K even) in the same layout, pair of rows by pair.
+void pack_matrix(const uint16_t* rows, int64_t K, int64_t N, uint16_t* out) {
+  for (int64_t i = 0; i < K / 2; ++i) pack_pair(rows + 2 * i * N, rows + (2 * i + 1) * N, N, K, i, out);
+}
+
 // out[h, :] = o[h, :D] * inv[h], rounded to bf16 / kept in fp32.
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void normalize_bf16(const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D,
@@ -684,9 +689,7 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
         }
       if constexpr (packed) {                                   // B = q, dO by head pairs
         const auto by_pairs = [&](const Buffer<mm_t>& plain, Buffer<mm_t>& pairs) {
-          const auto* rows = reinterpret_cast<const uint16_t*>(plain.data());
-          for (int64_t i = 0; i < Hp / 2; ++i)
-            pack_pair(rows + 2 * i * Dp, rows + (2 * i + 1) * Dp, Dp, Hp, i, reinterpret_cast<uint16_t*>(pairs.data()));
+          pack_matrix(reinterpret_cast<const uint16_t*>(plain.data()), Hp, Dp, reinterpret_cast<uint16_t*>(pairs.data()));
         };
         by_pairs(q_plain, q_pairs);
         by_pairs(do_plain, do_pairs);
@@ -855,7 +858,7 @@ c10::optional<bool> packed_layout_matches(int64_t K, int64_t N) {
   const auto B = at::randn({K, N}).to(at::kBFloat16).contiguous();
   const auto* b = reinterpret_cast<const uint16_t*>(B.data_ptr());
   std::vector<uint16_t> ours(K * N), theirs(K * N);
-  for (int64_t i = 0; i < K / 2; ++i) pack_pair(b + 2 * i * N, b + (2 * i + 1) * N, N, K, i, ours.data());
+  pack_matrix(b, K, N, ours.data());
   at::native::cpublas::pack(K, N, N, N, at::kBFloat16, at::kBFloat16, b, theirs.data());
   return ours == theirs;
 }
@@ -869,8 +872,7 @@ c10::optional<double> packed_gemm_error(int64_t M, int64_t K, int64_t N) {
   const auto A = at::randn({M, K}).to(at::kBFloat16).contiguous();
   const auto B = at::randn({K, N}).to(at::kBFloat16).contiguous();
   Buffer<uint16_t> packed(K * N);
-  const auto* b = reinterpret_cast<const uint16_t*>(B.data_ptr());
-  for (int64_t i = 0; i < K / 2; ++i) pack_pair(b + 2 * i * N, b + (2 * i + 1) * N, N, K, i, packed.data());
+  pack_matrix(reinterpret_cast<const uint16_t*>(B.data_ptr()), K, N, packed.data());
   auto C = at::empty({M, N}, at::kFloat);
   const auto* bp = reinterpret_cast<const at::BFloat16*>(packed.data());
   for (int64_t d0 = 0; d0 < N; d0 += PANEL) {

@@ -32,7 +32,7 @@ void pool_rows(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Ten
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, S * D));
   at::parallel_for(0, n, grain, [&](int64_t o0, int64_t o1) {
     std::vector<const T*> kvp(S), scp(S);
-    std::vector<T> m(D), l(D), e(D);
+    std::vector<T> m(D), l(D), e(S * D);               // e: each live slot's exp(score - max)
     for (int64_t o = o0; o < o1; ++o) {
       T* c = C + o * D;
       std::fill(c, c + D, T(0));
@@ -63,9 +63,12 @@ void pool_rows(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Ten
         }
       std::fill(l.begin(), l.end(), T(0));
       for (int64_t s = 0; s < live; ++s)
-        for (int64_t d = 0; d < D; ++d) l[d] += std::exp(scp[s][d] - m[d]);
+        for (int64_t d = 0; d < D; ++d) {
+          e[s * D + d] = std::exp(scp[s][d] - m[d]);
+          l[d] += e[s * D + d];
+        }
       for (int64_t s = 0; s < live; ++s)
-        for (int64_t d = 0; d < D; ++d) c[d] += std::exp(scp[s][d] - m[d]) / l[d] * kvp[s][d];
+        for (int64_t d = 0; d < D; ++d) c[d] += e[s * D + d] / l[d] * kvp[s][d];
     }
   });
 }

@@ -95,18 +95,18 @@ def execute(P: MlaProblem, metadata: torch.Tensor) -> torch.Tensor:
         t = q_start[b] + (S1[b] - int(rw.S1v[b])) + torch.div(rho, G, rounding_mode="floor")
         return t, rho % G
 
-    native = fast.native_sources(P)
+    kernels = fast.native_sources(P)
 
     def attend_rows(t0, t1, blocks=None, with_sinks=True):
         """Attention of flattened rows [t0, t1); ``blocks = (g, lo, hi)`` keeps only keys of s2-blocks
         [lo, hi) of global row record g (a partial state, normalised, LSE without the sink).  Whole
         rows take the compiled kernel where it runs; partial states stay fp32 (not rounded to the
         query dtype) until they are merged, as the FD workspace holds them."""
-        compiled = native is not None and blocks is None and with_sinks
-        k = fast.native_keys(P, native[1], t0, t1) if compiled else P.keys(t0, t1)
+        compiled = kernels is not None and blocks is None and with_sinks
+        k = fast.native_keys(P, kernels[1], t0, t1) if compiled else P.keys(t0, t1)
         mask = k.mask
         if compiled:
-            o, lse = fast.native_rows(P, *native, qf, k, t0, t1, None if sinks is None else sinks.float())
+            o, lse = fast.native_rows(P, *kernels, qf, k, t0, t1, None if sinks is None else sinks.float())
             return (o.to(cdt), lse.to(cdt)), mask.any(-1)
         if blocks is not None:
             g, lo, hi = blocks
