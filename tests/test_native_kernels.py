@@ -201,9 +201,38 @@ def test_indexer_topk_against_float64(R, H, D, N, page, dtype, native_module):
         m = int(n[t])
         want = torch.sort(exact[t, :m], descending=True).values
         assert torch.allclose(vals[t, :m].double(), want, rtol=1e-5, atol=1e-4 * H)
-        assert torch.allclose(exact[t, idx[t, :m]], vals[t, :m].double(), rtol=1e-5, atol=1e-4 * H)
+        assert torch.allclose(exact[t, idx[t, :m].long()], vals[t, :m].double(), rtol=1e-5, atol=1e-4 * H)
         assert sorted(idx[t, :m].tolist()) == list(range(m))
-        assert torch.isneginf(vals[t, m:]).all()
+        assert torch.isneginf(vals[t, m:]).all() and (idx[t, m:] == -1).all()
+
+
+@pytest.mark.parametrize("topk", [1, 7, 64, 300])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_indexer_topk_streaming_selection_keeps_the_golden_order(topk, dtype, native_module):
+    """Many keys (several chunks, selections that trim the candidates to topk more than once), small
+    integers (exact scores, many ties), a few NaN keys (NaN scores rank first, as torch.topk ranks
+    them): indices and values equal a stable descending sort exactly, ties to the lower key; the
+    per-row offset is added to kept indices only."""
+    module = native_module
+    if module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    R, H, D, N, page = 6, 8, 32, 1000, 100
+    keys = torch.randint(-3, 4, (N, D)).to(dtype)
+    nan_keys = torch.randperm(N)[:3]
+    keys[nan_keys] = float("nan")
+    pages = (torch.arange(N // page) * page)[None, :]
+    q, w = torch.randint(-3, 4, (R, H, D)).to(dtype), torch.randint(1, 3, (R, H)).float()
+    n = torch.tensor([N, N - 1, 513, 37, 0, 650])
+    offset = torch.randint(0, 50, (R,))
+    vals, idx = module.indexer_topk(q, keys, pages, page, torch.zeros(R, dtype=torch.int64), n, w, topk, offset)
+    exact = torch.einsum("rh,rhn->rn", w.double(), torch.relu(torch.einsum("rhd,nd->rhn", q.double(), keys.double())))
+    for t in range(R):
+        m = min(int(n[t]), topk)
+        row = exact[t, : int(n[t])].tolist()
+        want = sorted(range(len(row)), key=lambda j: (row[j] == row[j], -row[j] if row[j] == row[j] else 0, j))[:m]
+        assert idx[t, :m].tolist() == [j + int(offset[t]) for j in want]
+        assert torch.allclose(vals[t, :m].double(), exact[t, want], rtol=0, atol=0, equal_nan=True)
+        assert (idx[t, m:] == -1).all() and torch.isneginf(vals[t, m:]).all()
 
 
 def test_indexer_topk_rejects_pages_out_of_range(native_module):

@@ -95,8 +95,9 @@ def _native_topk(P: IndexerProblem, module, topk: int, offset: torch.Tensor | No
     n = P.num_valid(0, R).to(torch.int64).contiguous()                  # 0 for padding rows: not read
     pages, page = P.k.pages()
     vals, idx = module.indexer_topk(P.rows.flat(P.q).contiguous(), P.k.flat_rows(), pages, page,
-                                    P.rows.batch.to(torch.int64).contiguous(), n, P.w.contiguous(), topk)
-    return finish_topk(idx, vals, n, topk, offset)
+                                    P.rows.batch.to(torch.int64).contiguous(), n, P.w.contiguous(), topk,
+                                    None if offset is None else offset.contiguous())
+    return idx, vals
 
 
 def _shared_key_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None):

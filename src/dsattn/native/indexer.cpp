@@ -6,9 +6,11 @@
 //
 // One row at a time: its q^T is packed once as the GEMM's B operand ([Dp/2][Hp][2] for the oneDNN
 // ukernel where the CPU multiplies bf16 / fp16 natively, plain fp32 otherwise) and the keys are
-// the A operand straight from the cache, 256 at a time: C [keys, Hp] = k q^T.  No [rows, keys]
+// the A operand straight from the cache, CHUNK at a time: C [keys, Hp] = k q^T.  No [rows, keys]
 // score buffer exists: each chunk's scores are filtered against the row's running k-th best and
-// only candidates that beat it are kept (at most 2 topk + 256), so memory is O(threads x topk).
+// only candidates that beat it are kept (fewer than 2 topk + CHUNK), so memory is O(threads x topk).
+// The candidates stay in key order; a radix selection trims them to the best topk when they reach
+// 2 topk, and one stable radix sort by score orders them at the end (ties: lower key first).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -32,16 +34,43 @@ using at::native::cpublas::brgemm;
 using at::native::cpublas::brgemm_release;
 using at::native::cpublas::could_pack;
 
-constexpr int64_t CHUNK = 256;  // keys per GEMM (its M)
+constexpr int64_t CHUNK = 128;  // keys per GEMM (its M): the fp32 scores [CHUNK, Hp] stay in L1 for the head sum
 using dsattn_native::PANEL;
 using dsattn_native::round_up;
 
+// The lane sums of 16 vectors as one vector: lane j holds the sum of v[j]'s lanes.  A tree of
+// shuffles and adds (45 instructions) where 16 separate horizontal sums would take about 130.
+__attribute__((target("avx512f"))) inline __m512 lane_sums16(__m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)      // per 128-bit lane: rows 2i, 2i + 1 interleaved, half summed
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {    // per 128-bit lane: rows 4i .. 4i + 3
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)      // 128-bit lanes: b[2i] lanes 0+1, 2+3, then b[2i + 1]'s
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
 // out[j] = sum_h w[h] * relu(c[j, h]) over Hp heads (w zero past the real heads); NaN propagates
-// through relu as in torch (max(0, x) returns x when x is NaN).
+// through relu as in torch (max(0, x) returns x when x is NaN).  16 keys at a time.
 __attribute__((target("avx512f"))) void head_sum_avx512(const float* c, int64_t M, int64_t Hp, const float* w,
                                                         float* out) {
   const __m512 zero = _mm512_setzero_ps();
-  for (int64_t j = 0; j < M; ++j) {
+  int64_t j = 0;
+  for (; j + 16 <= M; j += 16) {
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = zero;
+    for (int64_t h = 0; h < Hp; h += 16) {
+      const __m512 wh = _mm512_loadu_ps(w + h);
+      for (int r = 0; r < 16; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(c + (j + r) * Hp + h)), wh, acc[r]);
+    }
+    _mm512_storeu_ps(out + j, lane_sums16(acc));
+  }
+  for (; j < M; ++j) {
     __m512 acc = zero;
     for (int64_t h = 0; h < Hp; h += 16)
       acc = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(c + j * Hp + h)), _mm512_loadu_ps(w + h), acc);
@@ -93,38 +122,88 @@ inline float order_value(uint64_t key) {
   return __builtin_bit_cast(float, (ascending & 0x80000000u) ? (ascending & 0x7FFFFFFFu) : ~ascending);
 }
 
-// Sorts ``a`` ascending: least-significant-digit radix sort over the 8-bit digits in which the keys
-// differ (a row's candidates differ in the low index bits and the score bits only, so a few passes),
-// branch-free where a comparison sort of random scores mispredicts every other compare.
-void radix_sort(std::vector<uint64_t>& a, std::vector<uint64_t>& tmp) {
-  const size_t n = a.size();
-  if (n < 64) {
-    std::sort(a.begin(), a.end());
-    return;
-  }
-  uint64_t diff = 0;
-  for (const uint64_t x : a) diff |= x ^ a[0];
-  tmp.resize(n);
-  for (int shift = 0; shift < 64; shift += 8) {
-    if (((diff >> shift) & 0xFF) == 0) continue;          // every key has this digit: the order stands
-    size_t count[256] = {};
-    for (const uint64_t x : a) ++count[(x >> shift) & 0xFF];
-    size_t at = 0;
-    for (size_t& c : count) {
-      const size_t m = c;
-      c = at;
-      at += m;
+// The k-th smallest (k >= 1) of n distinct keys, by most-significant-digit radix selection.  Each
+// round takes the 8 bits below the highest bit in which the remaining keys differ (the top bits of
+// a row's scores are nearly all alike: a fixed digit would put most keys in one bucket), counts
+// them, and keeps only the bucket that holds the k-th (copied to ``scratch``, which must hold n).
+// Nothing branches on the data, where a comparison selection (std::nth_element) of random scores
+// mispredicts about every other compare.
+uint64_t kth_smallest(const uint64_t* a, size_t n, size_t k, uint64_t* scratch) {
+  const uint64_t* cur = a;
+  size_t m = n;
+  while (true) {
+    uint64_t lo = cur[0], hi = cur[0];
+    for (size_t i = 1; i < m; ++i) lo = std::min(lo, cur[i]), hi = std::max(hi, cur[i]);
+    if (k == 1 || k == m) return k == 1 ? lo : hi;
+    if (m <= 32) {                                        // a few left: a comparison selection is cheaper
+      if (cur != scratch) std::copy(cur, cur + m, scratch);
+      std::nth_element(scratch, scratch + (k - 1), scratch + m);
+      return scratch[k - 1];
     }
-    for (const uint64_t x : a) tmp[count[(x >> shift) & 0xFF]++] = x;
-    a.swap(tmp);
+    const int shift = std::max(0, 63 - __builtin_clzll(lo ^ hi) - 7);
+    // two interleaved histograms: keys that share a digit do not wait on each other's increment
+    uint32_t count[2][256] = {};
+    size_t i = 0;
+    for (; i + 1 < m; i += 2) ++count[0][(cur[i] >> shift) & 0xFF], ++count[1][(cur[i + 1] >> shift) & 0xFF];
+    if (i < m) ++count[0][(cur[i] >> shift) & 0xFF];
+    uint32_t d = 0;
+    while (k > count[0][d] + count[1][d]) k -= count[0][d] + count[1][d], ++d;
+    size_t w = 0;
+    for (size_t j = 0; j < m; ++j) {                      // (in place when cur is scratch: w <= j)
+      const uint64_t x = cur[j];
+      scratch[w] = x;
+      w += ((x >> shift) & 0xFF) == d;
+    }
+    cur = scratch, m = w;
   }
 }
 
-// The best k of a stream of keys arriving in ascending key order.
+// Keeps the keys <= bar of a[0, n), in their order; returns how many.
+size_t keep_up_to(uint64_t* a, size_t n, uint64_t bar) {
+  size_t w = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t x = a[i];
+    a[w] = x;
+    w += x <= bar;
+  }
+  return w;
+}
+
+// Sorts a[0, n) by the high 32 bits of its keys (the score's order), stably: keys that tie there keep
+// their order.  Least-significant-digit radix sort over the 8-bit digits in which the keys differ,
+// every histogram taken in one pass; ``tmp`` holds n.  Returns where the sorted keys are (a or tmp).
+uint64_t* sort_by_score(uint64_t* a, size_t n, uint64_t* tmp) {
+  if (n < 2) return a;
+  uint32_t diff = 0;
+  const uint32_t first = static_cast<uint32_t>(a[0] >> 32);
+  uint32_t count[4][256] = {};
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t h = static_cast<uint32_t>(a[i] >> 32);
+    diff |= h ^ first;
+    ++count[0][h & 0xFF], ++count[1][(h >> 8) & 0xFF], ++count[2][(h >> 16) & 0xFF], ++count[3][h >> 24];
+  }
+  for (int digit = 0; digit < 4; ++digit) {
+    if (((diff >> (8 * digit)) & 0xFF) == 0) continue;    // every key has this digit: the order stands
+    const int shift = 32 + 8 * digit;
+    uint32_t at = 0;
+    for (uint32_t& c : count[digit]) {
+      const uint32_t m = c;
+      c = at;
+      at += m;
+    }
+    for (size_t i = 0; i < n; ++i) tmp[count[digit][(a[i] >> shift) & 0xFF]++] = a[i];
+    std::swap(a, tmp);
+  }
+  return a;
+}
+
+// The best k of a stream of keys arriving in ascending key order.  The candidates stay in that
+// order (selection keeps order), so the final sort orders them by score alone: ties stay lowest
+// key first, the golden's rule.
 class RunningTopK {
  public:
-  explicit RunningTopK(int64_t k) : k_(k) { cand_.reserve(2 * k + CHUNK); }
-  void reset() { cand_.clear(), bar_ = ~uint64_t(0); }
+  explicit RunningTopK(int64_t k) : k_(k), cand_(2 * k + CHUNK), tmp_(2 * k + CHUNK + 1) {}
+  void reset() { size_ = 0, bar_ = ~uint64_t(0); }
 
   // scores of keys first, first + 1, ...: a key enters only if it goes before the k-th so far;
   // every key here is higher than those kept, so only a strictly greater score (or a NaN over a
@@ -132,39 +211,35 @@ class RunningTopK {
   void add(const float* scores, int64_t count, int64_t first) {
     const bool open = bar_ == ~uint64_t(0);
     const float bv = order_value(bar_);
-    for (int64_t j = 0; j < count; ++j) {
+    uint64_t* out = cand_.data();
+    size_t size = size_;                          // < 2 k: room for count <= CHUNK more
+    for (int64_t j = 0; j < count; ++j) {         // written without a branch, counted if it enters
       const float v = scores[j];
-      if (open || v > bv || (v != v && bv == bv)) cand_.push_back(order_key(v, first + j));
+      out[size] = order_key(v, first + j);
+      size += open || v > bv || (v != v && bv == bv);
     }
-    const int64_t size = static_cast<int64_t>(cand_.size());
-    if (size >= 2 * k_ || (open && size >= k_)) shrink();     // (the first k set the bar at once)
+    size_ = size;
+    if (size_ >= size_t(2 * k_) || (open && size_ >= size_t(k_))) {   // back to the best k; the k-th is the new bar
+      bar_ = kth_smallest(out, size_, k_, tmp_.data());
+      size_ = keep_up_to(out, size_, bar_);
+    }
   }
 
-  // the kept keys in order: values (-inf past the count) and indices (0 past it)
-  void write(float* values, int64_t* indices) {
-    radix_sort(cand_, tmp_);                      // every candidate: the first k are the best
-    const int64_t m = static_cast<int64_t>(cand_.size());
+  // the kept keys in order: values (-inf past the count) and key indices plus ``offset`` (-1 past it)
+  void write(float* values, int32_t* indices, int64_t offset) {
+    uint64_t* a = cand_.data();
+    const uint64_t* sorted = sort_by_score(a, size_, tmp_.data());
+    const int64_t m = std::min(static_cast<int64_t>(size_), k_);
     for (int64_t j = 0; j < k_; ++j) {
-      values[j] = j < m ? order_value(cand_[j]) : -std::numeric_limits<float>::infinity();
-      indices[j] = j < m ? static_cast<int64_t>(static_cast<uint32_t>(cand_[j])) : 0;
+      values[j] = j < m ? order_value(sorted[j]) : -std::numeric_limits<float>::infinity();
+      indices[j] = j < m ? static_cast<int32_t>(static_cast<int64_t>(static_cast<uint32_t>(sorted[j])) + offset) : -1;
     }
   }
 
  private:
-  void shrink() {                                 // back to the best k; the k-th is the new bar
-    const int64_t size = static_cast<int64_t>(cand_.size());
-    if (size < k_) return;
-    if (size == k_) {                             // (the first k: all kept, the bar is the worst)
-      bar_ = *std::max_element(cand_.begin(), cand_.end());
-      return;
-    }
-    std::nth_element(cand_.begin(), cand_.begin() + (k_ - 1), cand_.end());
-    cand_.resize(k_);
-    bar_ = cand_[k_ - 1];
-  }
-
   int64_t k_;
-  std::vector<uint64_t> cand_, tmp_;
+  dsattn_native::Buffer<uint64_t> cand_, tmp_;
+  size_t size_ = 0;
   uint64_t bar_ = ~uint64_t(0);
 };
 
@@ -176,7 +251,8 @@ struct KeyPages {                 // where key j of a request lives in the flat 
 
 template <typename scalar_t, typename mm_t>
 void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, const at::Tensor& batch,
-               const at::Tensor& n, const at::Tensor& w, at::Tensor& values, at::Tensor& indices) {
+               const at::Tensor& n, const at::Tensor& w, const int64_t* offset, at::Tensor& values,
+               at::Tensor& indices) {
   constexpr bool packed = !std::is_same_v<mm_t, float>;
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2), Nk = keys.size(0), k = values.size(1);
   const int64_t Hp = round_up(H, 16), Dp = round_up(D, 16);
@@ -193,7 +269,7 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
   const int64_t* bp = batch.data_ptr<int64_t>();
   const int64_t* np = n.data_ptr<int64_t>();
   float* vp = values.data_ptr<float>();
-  int64_t* ip = indices.data_ptr<int64_t>();
+  int32_t* ip = indices.data_ptr<int32_t>();
   const HeadSum sum_heads = head_sum();
   at::parallel_for(0, R, 1, [&](int64_t t0, int64_t t1) {
     dsattn_native::Buffer<mm_t> qb(Dp * Hp);
@@ -222,7 +298,7 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
           j0 += valid;
         }
       }
-      best.write(vp + t * k, ip + t * k);
+      best.write(vp + t * k, ip + t * k, offset == nullptr ? 0 : offset[t]);
     }
     if (packed) brgemm_release(true);
   });
@@ -231,12 +307,13 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
 }  // namespace
 
 // The top-k of each query row of q [R, H, D] over the first n[t] keys of its request batch[t],
-// head weights w [R, H] (fp32): (values fp32 [R, topk], key positions int64 [R, topk]) in the
-// golden's order; -inf / 0 past min(n[t], topk).  Keys: flat rows keys [Nk, D] (q's dtype); key j
-// of request b is row pages[b, j / page] + j % page (pages: int64 [B, P]).
+// head weights w [R, H] (fp32): (values fp32 [R, topk], key positions plus offset[t] int32 [R, topk])
+// in the golden's order; -inf / -1 past min(n[t], topk) (the op's outputs as they are).  Keys: flat
+// rows keys [Nk, D] (q's dtype); key j of request b is row pages[b, j / page] + j % page (pages:
+// int64 [B, P]).  offset: int64 [R] or None (0).
 std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& pages,
                                      int64_t page, const at::Tensor& batch, const at::Tensor& n, const at::Tensor& w,
-                                     int64_t topk) {
+                                     int64_t topk, const c10::optional<at::Tensor>& offset) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q: expected a contiguous CPU [R, H, D] tensor");
   TORCH_CHECK(keys.dim() == 2 && keys.size(1) == q.size(2) && keys.is_contiguous() && keys.scalar_type() == q.scalar_type(),
               "keys: expected a contiguous [N, D] tensor of q's dtype");
@@ -248,6 +325,10 @@ std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys
                 "batch, n: expected int64 [R] tensors");
   TORCH_CHECK(pages.dim() == 2 && pages.scalar_type() == at::kLong && pages.is_contiguous(), "pages: expected int64 [B, P]");
   TORCH_CHECK(page >= 1 && topk >= 1, "page, topk: expected >= 1");
+  if (offset.has_value())
+    TORCH_CHECK(offset->dim() == 1 && offset->size(0) == R && offset->scalar_type() == at::kLong && offset->is_contiguous(),
+                "offset: expected an int64 [R] tensor");
+  const int64_t* off = offset.has_value() ? offset->data_ptr<int64_t>() : nullptr;
   const KeyPages kp{pages.data_ptr<int64_t>(), pages.size(1), page};
   const int64_t* bp = batch.data_ptr<int64_t>();
   const int64_t* np = n.data_ptr<int64_t>();
@@ -262,18 +343,18 @@ std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys
     }
   }
   auto values = at::empty({R, topk}, q.options().dtype(at::kFloat));
-  auto indices = at::empty({R, topk}, q.options().dtype(at::kLong));
+  auto indices = at::empty({R, topk}, q.options().dtype(at::kInt));
   const auto dt = q.scalar_type();
   if (dt == at::kBFloat16 && could_pack(dt))
-    topk_rows<at::BFloat16, at::BFloat16>(q, keys, kp, batch, n, w, values, indices);
+    topk_rows<at::BFloat16, at::BFloat16>(q, keys, kp, batch, n, w, off, values, indices);
   else if (dt == at::kBFloat16)
-    topk_rows<at::BFloat16, float>(q, keys, kp, batch, n, w, values, indices);
+    topk_rows<at::BFloat16, float>(q, keys, kp, batch, n, w, off, values, indices);
   else if (dt == at::kHalf && could_pack(dt))
-    topk_rows<at::Half, at::Half>(q, keys, kp, batch, n, w, values, indices);
+    topk_rows<at::Half, at::Half>(q, keys, kp, batch, n, w, off, values, indices);
   else if (dt == at::kHalf)
-    topk_rows<at::Half, float>(q, keys, kp, batch, n, w, values, indices);
+    topk_rows<at::Half, float>(q, keys, kp, batch, n, w, off, values, indices);
   else if (dt == at::kFloat)
-    topk_rows<float, float>(q, keys, kp, batch, n, w, values, indices);
+    topk_rows<float, float>(q, keys, kp, batch, n, w, off, values, indices);
   else
     TORCH_CHECK(false, "q: dtype ", dt, " is not supported (bf16, fp16, fp32)");
   return {values, indices};
@@ -282,7 +363,7 @@ std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys
 #else  // !DSATTN_HAVE_BRGEMM
 
 std::vector<at::Tensor> indexer_topk(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
-                                     const at::Tensor&, const at::Tensor&, int64_t) {
+                                     const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled indexer is not available");
 }
 

@@ -27,7 +27,8 @@ c10::optional<bool> packed_layout_matches(int64_t K, int64_t N);
 c10::optional<double> packed_gemm_error(int64_t M, int64_t K, int64_t N);
 std::vector<torch::Tensor> indexer_topk(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& pages,
                                         int64_t page, const torch::Tensor& batch, const torch::Tensor& n,
-                                        const torch::Tensor& w, int64_t topk);
+                                        const torch::Tensor& w, int64_t topk,
+                                        const c10::optional<torch::Tensor>& offset);
 
 at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Tensor& state,
                            const at::Tensor& kind, const at::Tensor& new_at, const at::Tensor& state_at,
@@ -57,7 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm_error", &packed_gemm_error, "test hook: a GEMM through our packed panels against an fp64 matmul");
   m.def("transposes_match", &dsattn_native::transposes_match,
         "test hook: the 32-bit transposes (scalar and AVX-512 tiles, edges) equal the element loop");
-  m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys");
+  m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys",
+        pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("pages"), pybind11::arg("page"), pybind11::arg("batch"),
+        pybind11::arg("n"), pybind11::arg("w"), pybind11::arg("topk"), pybind11::arg("offset") = pybind11::none());
   m.def("compressor_pool", &compressor_pool, "the compressor's gated softmax pooling of output rows over their slots");
   m.def("plan_coverage", &plan_coverage,
         "a plan table read for a call: row geometry, whole rows, partial pieces, FD entries, first violated invariant");
