@@ -24,3 +24,13 @@ def test_bench_script_runs(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "QSFA decode" in proc.stdout
+
+
+def test_emulated_avx2_bench_runs_the_fp32_path():
+    """``--emulate-avx2`` re-runs the command in a fresh process limited to AVX2: its libraries' bf16
+    GEMM falls to an AVX2 machine's crawl and the compiled kernels take their fp32 GEMMs."""
+    proc = subprocess.run([sys.executable, "-m", "dsattn.cli", "bench", "--emulate-avx2", "--which"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    if "compiled" in proc.stdout:
+        assert "bf16 widened to fp32 GEMMs (forced: DSATTN_NATIVE_GEMM=fp32)" in proc.stdout

@@ -14,9 +14,10 @@ from dsattn.sparse_mla import fast
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "native-fp32", "torch"])
 def path(request, monkeypatch, native_module):
-    """Which CPU forward runs; 'native' also counts the compiled calls so a test sees it ran."""
+    """Which CPU forward runs; 'native' also counts the compiled calls so a test sees it ran.
+    'native-fp32' forces the compiled kernels' fp32 GEMMs (the AVX2-only machines' path) on this CPU."""
     calls = []
     if request.param == "torch":
         monkeypatch.setattr(fast, "native_sources", lambda P: None)
@@ -24,6 +25,10 @@ def path(request, monkeypatch, native_module):
     else:
         if native_module is None:
             pytest.skip(f"no compiled layer here: {native.status()}")
+        if request.param == "native-fp32":
+            native_module.set_fp32_gemm(True)
+            request.addfinalizer(lambda: native_module.set_fp32_gemm(native._fp32_requested()))
+            assert native_module.attention_gemm("bfloat16") == "fp32"
         for owner, name in ((fast, "_forward_native"), (fast, "_backward_native"), (indexer_fast, "_native_topk")):
             real = getattr(owner, name)
 
@@ -32,6 +37,17 @@ def path(request, monkeypatch, native_module):
                 return _real(*a, **k)
             monkeypatch.setattr(owner, name, counted)
     return request.param, calls
+
+
+@pytest.fixture(params=["best", "fp32"])
+def gemm_module(request, native_module):
+    """The compiled module with its GEMM path set: the CPU's best, or fp32 forced (the AVX2-only
+    machines' path)."""
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    native_module.set_fp32_gemm(request.param == "fp32")
+    yield native_module
+    native_module.set_fp32_gemm(native._fp32_requested())
 
 
 def _forward_rows(case):
@@ -48,7 +64,7 @@ def _forward_rows(case):
 def test_forward_equals_golden(path, layout, ratio, dtype, paged):
     case = cases.mla_case(layout, ratio, dtype, paged=paged, seed=torch.randint(0, 2**31 - 1, ()).item())
     _forward_rows(case)
-    assert bool(path[1]) == (path[0] == "native")
+    assert bool(path[1]) == (path[0] != "torch")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -61,7 +77,7 @@ def test_backward_equals_golden(path, layout, ratio, dtype):
     assert {r.output for r in rows} >= {"dq", "dori_kv", "dsinks"} | ({"dcmp_kv"} if ratio > 1 else set())
     bad = [f"{r.case}/{r.output}: {r.result}" for r in rows if not r.result.passed]
     assert not bad, "\n".join(bad)
-    assert bool(path[1]) == (path[0] == "native")
+    assert bool(path[1]) == (path[0] != "torch")
 
 
 @pytest.mark.parametrize("H, D", [(3, 33), (20, 48), (80, 24)])
@@ -98,7 +114,7 @@ def test_forward_non_positive_scale(path, dtype, scale):
     tol = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
     torch.testing.assert_close(out[used].float(), ref_out[used].float(), rtol=tol, atol=tol)
     torch.testing.assert_close(lse[0][used], ref_lse[0][used], rtol=1e-5, atol=1e-5)   # lse [N_kv, T, H]
-    assert bool(path[1]) == (path[0] == "native")
+    assert bool(path[1]) == (path[0] != "torch")
 
 
 @pytest.mark.parametrize("sink", [float("inf"), float("-inf")])
@@ -173,18 +189,16 @@ def test_indexer_exact_ties_in_the_golden_order(path, layout, paged, dtype):
     i2, v2 = reference.lightning_indexer(case.q, k, w, topk, **case.kwargs)
     assert torch.equal(i1, i2) and torch.equal(v1, v2)
     assert (i1 >= 0).any()
-    assert bool(path[1]) == (path[0] == "native")
+    assert bool(path[1]) == (path[0] != "torch")
 
 
 @pytest.mark.parametrize("R, H, D, N, page", [(5, 3, 33, 300, 300), (2, 80, 16, 64, 7), (7, 64, 128, 600, 64),
                                               (1, 4, 8, 1, 1)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_indexer_topk_against_float64(R, H, D, N, page, dtype, native_module):
+def test_indexer_topk_against_float64(R, H, D, N, page, dtype, gemm_module):
     """topk = every key: the kernel's values are each row's scores in order, against float64 math;
     keys reached through pages of ``page`` rows laid out in reverse, the unused rows NaN."""
-    module = native_module
-    if module is None:
-        pytest.skip(f"no compiled layer here: {native.status()}")
+    module = gemm_module
     P = -(-N // page)
     keys = torch.full((P * page + 5, D), float("nan")).to(dtype)
     logical = torch.randn(N, D).to(dtype)
@@ -208,14 +222,12 @@ def test_indexer_topk_against_float64(R, H, D, N, page, dtype, native_module):
 
 @pytest.mark.parametrize("topk", [1, 7, 64, 300])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_indexer_topk_streaming_selection_keeps_the_golden_order(topk, dtype, native_module):
+def test_indexer_topk_streaming_selection_keeps_the_golden_order(topk, dtype, gemm_module):
     """Many keys (several chunks, selections that trim the candidates to topk more than once), small
     integers (exact scores, many ties), a few NaN keys (NaN scores rank first, as torch.topk ranks
     them): indices and values equal a stable descending sort exactly, ties to the lower key; the
     per-row offset is added to kept indices only."""
-    module = native_module
-    if module is None:
-        pytest.skip(f"no compiled layer here: {native.status()}")
+    module = gemm_module
     R, H, D, N, page = 6, 8, 32, 1000, 100
     keys = torch.randint(-3, 4, (N, D)).to(dtype)
     nan_keys = torch.randperm(N)[:3]

@@ -159,7 +159,28 @@ def _plan_table(args) -> int:
     return 0
 
 
+# An AVX2-only machine's libraries and paths on this one: oneDNN, MKL and ATen's kernels limited to
+# AVX2 (PyTorch's bf16 matmul falls to ~1 GFLOP/s, as there), the compiled kernels' fp32 GEMMs.
+# Our own elementwise loops keep the clones this CPU runs (GCC's target_clones pick at load time).
+AVX2_EMULATION = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+                  "DSATTN_NATIVE_GEMM": "fp32"}
+
+
+def _bench_emulated(args) -> int:
+    """``--emulate-avx2``: the same command in a fresh interpreter (the libraries read these variables
+    once, when they start) with :data:`AVX2_EMULATION` set."""
+    import os
+    import subprocess
+    env = dict(os.environ, **AVX2_EMULATION, DSATTN_BENCH_EMULATION="AVX2 (--emulate-avx2: "
+               + ", ".join(f"{k}={v}" for k, v in AVX2_EMULATION.items()) + ")")
+    code = "import sys; from dsattn.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args.argv], env=env).returncode
+
+
 def _bench(args) -> int:
+    import os
+    if args.emulate_avx2 and "DSATTN_BENCH_EMULATION" not in os.environ:
+        return _bench_emulated(args)
     if args.which:
         from .backend import describe
         print(describe())
@@ -245,6 +266,9 @@ def main(argv=None) -> int:
     bn.add_argument("--static", action="store_true", help="with --family gpu: compile for GPU targets, no GPU needed")
     bn.add_argument("--smoke", action="store_true", help="tiny shapes: checks the scripts run and match the golden")
     bn.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    bn.add_argument("--emulate-avx2", action="store_true",
+                    help="run as an AVX2-only machine would: oneDNN / MKL / ATen limited to AVX2 and the compiled "
+                         "kernels' fp32 GEMM path, in a fresh process (its ceilings measured there too)")
     bn.add_argument("--which", action="store_true",
                     help="instead: print which implementation each piece runs on this machine and exit")
     bn.set_defaults(fn=_bench)

@@ -61,10 +61,15 @@ def markdown(ceil, results, command: str) -> str:
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
              f"{torch.__version__}, {ceil.threads} threads. Ceilings measured in this run: bf16 GEMM "
              f"**{ceil.bf16_gflops:.0f} GFLOP/s**, fp32 GEMM **{ceil.fp32_gflops:.0f} GFLOP/s**, copy "
-             f"**{ceil.copy_gbs:.1f} GB/s**.", "",
+             f"**{ceil.copy_gbs:.1f} GB/s**." + _emulation_note(), "",
              "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows(ceil, results)]
     return "\n".join(lines) + "\n\n"
+
+
+def _emulation_note() -> str:
+    how = os.environ.get("DSATTN_BENCH_EMULATION")
+    return f" Emulating {how}: the libraries and ceilings of an AVX2-only machine." if how else ""
 
 
 def record(text: str, path: Path) -> None:
@@ -87,7 +92,8 @@ def main(families=None, smoke=False, record_results=True, argv=None) -> int:
     console = Console(width=max(Console().width, 200))
     with console.status("measuring") as status:
         ceil, results = run(families, smoke, progress=lambda n: status.update(f"benchmark family: {n}"))
-    table = Table(title=f"dsattn bench{' (smoke)' if smoke else ''}: bf16 peak {ceil.bf16_gflops:.0f}, fp32 peak "
+    emulated = " (AVX2 emulated)" if os.environ.get("DSATTN_BENCH_EMULATION") else ""
+    table = Table(title=f"dsattn bench{' (smoke)' if smoke else ''}{emulated}: bf16 peak {ceil.bf16_gflops:.0f}, fp32 peak "
                         f"{ceil.fp32_gflops:.0f} GFLOP/s, copy {ceil.copy_gbs:.1f} GB/s")
     for h in HEADER:
         table.add_column(h)

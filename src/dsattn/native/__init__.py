@@ -10,6 +10,11 @@ and the torch version, and concurrent processes wait on one build (cpp_extension
 ``DSATTN_NATIVE=0`` skips it (the PyTorch / NumPy paths run); if the build fails (no compiler,
 no ninja) one ``RuntimeWarning`` says so and the same fallback runs.  :func:`status` says which
 path is active (``dsattn bench --which``).
+
+The GEMMs run on half-precision operands where the CPU multiplies them natively (AMX /
+AVX512-BF16), else on fp32 operands.  ``DSATTN_NATIVE_GEMM=fp32`` (or :func:`fp32_gemm` for a
+block) forces the fp32 path on any CPU: the path an AVX2-only machine takes, tested and timed on
+one that has more.
 """
 from __future__ import annotations
 
@@ -99,6 +104,26 @@ def suspended():
         _state["suspended"] -= 1
 
 
+@contextlib.contextmanager
+def fp32_gemm():
+    """Within the block the compiled kernels run their fp32 GEMM path (the one AVX2-only CPUs take)
+    whatever the CPU multiplies natively; afterwards the CPU's best again (or ``DSATTN_NATIVE_GEMM``'s
+    choice).  No effect without the compiled layer."""
+    module = load()
+    if module is None:
+        yield
+        return
+    module.set_fp32_gemm(True)
+    try:
+        yield
+    finally:
+        module.set_fp32_gemm(_fp32_requested())
+
+
+def _fp32_requested() -> bool:
+    return os.environ.get("DSATTN_NATIVE_GEMM", "").strip().lower() == "fp32"
+
+
 def load():
     """The extension module, or None (not requested, suspended, or the build failed: warned once)."""
     if not requested() or _state.get("suspended"):
@@ -117,6 +142,7 @@ def load():
             with open(stamp_path, "w") as f:
                 f.write(stamp)
         module = cpp_extension.load(**args)          # up to date: ninja has nothing to do, the module imports
+        module.set_fp32_gemm(_fp32_requested())
         _state.update(module=module, error=None)
     except Exception as exc:                        # no compiler / ninja, or a build error
         first = (str(exc).strip().splitlines() or [""])[0][:300]

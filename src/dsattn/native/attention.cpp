@@ -783,19 +783,9 @@ std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std:
                   out.device().is_cpu(), "out: expected a contiguous CPU tensor shaped and typed like q");
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == R && lse.size(1) == H && lse.scalar_type() == at::kFloat &&
                   lse.is_contiguous() && lse.device().is_cpu(), "lse: expected a contiguous CPU fp32 [R, H] tensor");
-  const auto dt = q.scalar_type();
-  if (dt == at::kBFloat16 && could_pack(dt))
-    forward_rows<at::BFloat16, at::BFloat16>(q, sources, rows, sink_ptr, scale, out, lse);
-  else if (dt == at::kBFloat16)
-    forward_rows<at::BFloat16, float>(q, sources, rows, sink_ptr, scale, out, lse);
-  else if (dt == at::kHalf && could_pack(dt))
-    forward_rows<at::Half, at::Half>(q, sources, rows, sink_ptr, scale, out, lse);
-  else if (dt == at::kHalf)
-    forward_rows<at::Half, float>(q, sources, rows, sink_ptr, scale, out, lse);
-  else if (dt == at::kFloat)
-    forward_rows<float, float>(q, sources, rows, sink_ptr, scale, out, lse);
-  else
-    TORCH_CHECK(false, "q: dtype ", dt, " is not supported (bf16, fp16, fp32)");
+  dsattn_native::dispatch_gemm(q.scalar_type(), [&](auto s, auto m) {
+    forward_rows<decltype(s), decltype(m)>(q, sources, rows, sink_ptr, scale, out, lse);
+  });
   return {out, lse};
 }
 
@@ -823,19 +813,9 @@ std::vector<at::Tensor> sparse_attention_backward(const at::Tensor& q, const at:
   auto dq = at::empty_like(q);
   auto dsinks = at::zeros({H}, q.options().dtype(at::kFloat));
   auto pmean = at::empty({R, width}, q.options().dtype(at::kFloat));
-  const auto dt = q.scalar_type();
-  if (dt == at::kBFloat16 && could_pack(dt))
-    backward_rows<at::BFloat16, at::BFloat16>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
-  else if (dt == at::kBFloat16)
-    backward_rows<at::BFloat16, float>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
-  else if (dt == at::kHalf && could_pack(dt))
-    backward_rows<at::Half, at::Half>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
-  else if (dt == at::kHalf)
-    backward_rows<at::Half, float>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
-  else if (dt == at::kFloat)
-    backward_rows<float, float>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
-  else
-    TORCH_CHECK(false, "q: dtype ", dt, " is not supported (bf16, fp16, fp32)");
+  dsattn_native::dispatch_gemm(q.scalar_type(), [&](auto s, auto m) {
+    backward_rows<decltype(s), decltype(m)>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
+  });
   std::vector<at::Tensor> result{dq};
   result.insert(result.end(), dsrc.begin(), dsrc.end());
   result.push_back(dsinks);
@@ -846,7 +826,7 @@ std::vector<at::Tensor> sparse_attention_backward(const at::Tensor& q, const at:
 // Which GEMM the forward uses for a query dtype: "packed" (native half-precision products) or "fp32".
 std::string attention_gemm(const std::string& dtype) {
   const auto dt = dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf : at::kFloat;
-  return (dt != at::kFloat && could_pack(dt)) ? "packed" : "fp32";
+  return dsattn_native::packed_gemm(dt) ? "packed" : "fp32";
 }
 
 // Test hook: the packed V layout written by pack_pair equals cpublas::pack's for a random bf16

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
@@ -34,6 +35,41 @@ namespace dsattn_native {
 constexpr int64_t PANEL = 512;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- which GEMM a dtype runs ----
+//
+// The packed half-precision ukernel where the CPU multiplies bf16 / fp16 natively (AVX512-BF16 /
+// AMX: cpublas::could_pack), else fp32 GEMMs on rows widened as they are read (AVX2, AVX-512F).
+// set_fp32_gemm(true) forces the fp32 path on any CPU: the tests run the path AVX2-only machines
+// take, and the benchmarks time it (dsattn.native.fp32_gemm()).
+inline std::atomic<bool>& fp32_gemm_forced() {
+  static std::atomic<bool> forced{false};
+  return forced;
+}
+
+inline bool packed_gemm(at::ScalarType dt) {
+  return (dt == at::kBFloat16 || dt == at::kHalf) && !fp32_gemm_forced().load(std::memory_order_relaxed) &&
+         at::native::cpublas::could_pack(dt);
+}
+
+// Calls f(scalar_t(), mm_t()) for a query dtype: scalar_t the dtype, mm_t the GEMM operand type
+// (the dtype itself on the packed path, float otherwise).
+template <typename F>
+void dispatch_gemm(at::ScalarType dt, F&& f) {
+  const bool packed = packed_gemm(dt);
+  if (dt == at::kBFloat16 && packed)
+    f(c10::BFloat16(), c10::BFloat16());
+  else if (dt == at::kBFloat16)
+    f(c10::BFloat16(), float());
+  else if (dt == at::kHalf && packed)
+    f(c10::Half(), c10::Half());
+  else if (dt == at::kHalf)
+    f(c10::Half(), float());
+  else if (dt == at::kFloat)
+    f(float(), float());
+  else
+    TORCH_CHECK(false, "q: dtype ", dt, " is not supported (bf16, fp16, fp32)");
+}
 
 // ---- GEMM buffers ----
 //

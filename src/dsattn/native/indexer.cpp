@@ -32,7 +32,6 @@ namespace {
 
 using at::native::cpublas::brgemm;
 using at::native::cpublas::brgemm_release;
-using at::native::cpublas::could_pack;
 
 constexpr int64_t CHUNK = 128;  // keys per GEMM (its M): the fp32 scores [CHUNK, Hp] stay in L1 for the head sum
 using dsattn_native::PANEL;
@@ -344,19 +343,9 @@ std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys
   }
   auto values = at::empty({R, topk}, q.options().dtype(at::kFloat));
   auto indices = at::empty({R, topk}, q.options().dtype(at::kInt));
-  const auto dt = q.scalar_type();
-  if (dt == at::kBFloat16 && could_pack(dt))
-    topk_rows<at::BFloat16, at::BFloat16>(q, keys, kp, batch, n, w, off, values, indices);
-  else if (dt == at::kBFloat16)
-    topk_rows<at::BFloat16, float>(q, keys, kp, batch, n, w, off, values, indices);
-  else if (dt == at::kHalf && could_pack(dt))
-    topk_rows<at::Half, at::Half>(q, keys, kp, batch, n, w, off, values, indices);
-  else if (dt == at::kHalf)
-    topk_rows<at::Half, float>(q, keys, kp, batch, n, w, off, values, indices);
-  else if (dt == at::kFloat)
-    topk_rows<float, float>(q, keys, kp, batch, n, w, off, values, indices);
-  else
-    TORCH_CHECK(false, "q: dtype ", dt, " is not supported (bf16, fp16, fp32)");
+  dsattn_native::dispatch_gemm(q.scalar_type(), [&](auto s, auto m) {
+    topk_rows<decltype(s), decltype(m)>(q, keys, kp, batch, n, w, off, values, indices);
+  });
   return {values, indices};
 }
 

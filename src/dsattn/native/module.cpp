@@ -53,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gradients of the fused sparse attention: dq, the key rows' fp32 gradients, dsinks, P's head mean");
   m.def("kernels_available", [] { return bool(DSATTN_HAVE_BRGEMM); },
         "whether this torch exports the batch-reduce GEMM the attention and indexer kernels run on");
+  m.def("set_fp32_gemm", [](bool on) { dsattn_native::fp32_gemm_forced().store(on); },
+        "force the fp32 GEMM path (the one AVX2-only CPUs take) on any CPU, or back to the CPU's best");
   m.def("attention_gemm", &attention_gemm, "which GEMM the forward runs for a query dtype: packed or fp32");
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
   m.def("packed_gemm_error", &packed_gemm_error, "test hook: a GEMM through our packed panels against an fp64 matmul");
