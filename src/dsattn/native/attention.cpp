@@ -419,6 +419,16 @@ struct KeyTables {
   }
   int64_t npad_max() const { return round_up(std::max<int64_t>(width, 1), KEY_ALIGN); }
 
+  // row r's work for parallel_rows: its keys, plus about 64 keys' worth for its query and output
+  int64_t cost(int64_t r) const {
+    int64_t n = 64;
+    for (size_t i = 0; i < bases.size(); ++i) {
+      const int64_t* idx = index[i] + r * widths[i];
+      for (int64_t j = 0; j < widths[i]; ++j) n += idx[j] >= 0;
+    }
+    return n;
+  }
+
   // visit(source, row, pointer) for each key of query row r, in order
   template <typename Visit>
   void each(int64_t r, Visit visit) const {
@@ -438,7 +448,7 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
   const scalar_t* qp = q.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+  dsattn_native::parallel_rows(R, [&](int64_t r) { return tables.cost(r); }, [&](int64_t r0, int64_t r1) {
     RowAttention<scalar_t, mm_t> work{H, D, round_up(H, 16), round_up(D, 16), static_cast<float>(scale), sinks};
     work.reserve(tables.npad_max(), /*whole_keys=*/!RowAttention<scalar_t, mm_t>::packed);
     std::vector<const scalar_t*> keys;
@@ -558,7 +568,7 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
   // query rows on different threads) and of dsinks, summed at the end
   std::vector<std::vector<at::Tensor>> acc(threads);
   std::vector<at::Tensor> acc_sinks(threads);
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+  dsattn_native::parallel_rows(R, [&](int64_t r) { return tables.cost(r); }, [&](int64_t r0, int64_t r1) {
     const int tid = at::get_thread_num();
     auto& my = acc[tid];
     if (my.empty()) {

@@ -1,6 +1,7 @@
 // Pieces the compiled CPU kernels share (attention.cpp, indexer.cpp).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -69,6 +70,42 @@ void dispatch_gemm(at::ScalarType dt, F&& f) {
     f(float(), float());
   else
     TORCH_CHECK(false, "q: dtype ", dt, " is not supported (bf16, fp16, fp32)");
+}
+
+// ---- rows over threads ----
+//
+// at::parallel_for hands each thread an equal count of rows.  Rows are not equal work: a causal
+// prefill's last rows read the most keys (in the indexer's 8K prefill the second half of the rows
+// reads three times the keys of the first), a ragged decode batch mixes short and long contexts.
+// parallel_rows gives each thread one contiguous range of about equal cost instead (contiguous: rows of
+// one request share their keys in cache).
+
+// Bounds of ``parts`` contiguous ranges of rows [0, R) of about equal total cost(r) (>= 0).
+template <typename Cost>
+std::vector<int64_t> balanced_bounds(int64_t R, int64_t parts, Cost cost) {
+  std::vector<double> prefix(R + 1, 0.0);
+  for (int64_t r = 0; r < R; ++r) prefix[r + 1] = prefix[r] + static_cast<double>(cost(r));
+  std::vector<int64_t> bounds(parts + 1, R);
+  bounds[0] = 0;
+  for (int64_t p = 1; p < parts; ++p)
+    bounds[p] = std::lower_bound(prefix.begin(), prefix.end(), prefix[R] * p / parts) - prefix.begin();
+  for (int64_t p = 1; p <= parts; ++p) bounds[p] = std::max(bounds[p], bounds[p - 1]);
+  return bounds;
+}
+
+// body(r0, r1) over rows [0, R) on the intra-op threads: one call per thread, ranges of about equal cost.
+template <typename Cost, typename Body>
+void parallel_rows(int64_t R, Cost cost, Body body) {
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), R);
+  if (parts <= 1) {
+    if (R > 0) body(int64_t(0), R);
+    return;
+  }
+  const std::vector<int64_t> bounds = balanced_bounds(R, parts, cost);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      if (bounds[p] < bounds[p + 1]) body(bounds[p], bounds[p + 1]);
+  });
 }
 
 // ---- GEMM buffers ----

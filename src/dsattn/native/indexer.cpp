@@ -270,7 +270,8 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
   float* vp = values.data_ptr<float>();
   int32_t* ip = indices.data_ptr<int32_t>();
   const HeadSum sum_heads = head_sum();
-  at::parallel_for(0, R, 1, [&](int64_t t0, int64_t t1) {
+  // a row's cost: its keys, plus about 64 keys' worth for packing its query and writing its top-k
+  dsattn_native::parallel_rows(R, [&](int64_t t) { return np[t] > 0 ? np[t] + 64 : 1; }, [&](int64_t t0, int64_t t1) {
     dsattn_native::Buffer<mm_t> qb(Dp * Hp);
     dsattn_native::Buffer<float> c(CHUNK * Hp), score(CHUNK), wpad(Hp, 0.0f);
     RunningTopK best(k);
