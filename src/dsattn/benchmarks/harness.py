@@ -73,10 +73,17 @@ def measure_ceilings(n: int = 2048) -> Ceilings:
     return Ceilings(out[torch.bfloat16], out[torch.float32], copy, torch.get_num_threads())
 
 
-def peak_rss_growth_mb(module: str, func: str, kwargs: dict, timeout: int = 1800) -> dict:
-    """Run ``module.func(**kwargs)`` in a fresh Python process and report its resident-set growth:
-    the peak RSS of the process minus its RSS after the inputs were built (the function reports
-    that baseline itself and returns a JSON-able dict)."""
+# glibc keeps freed memory in its heap instead of returning it (large blocks otherwise come from mmap and
+# go back at free): a fresh output then reuses pages the previous call freed, as in a serving process
+# whose allocator pools memory (jemalloc / tcmalloc, which Intel recommends for PyTorch on CPUs), and
+# its first writes fault no page in.  Applied to child processes only.
+REUSED_PAGES_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"}
+
+
+def peak_rss_growth_mb(module: str, func: str, kwargs: dict, timeout: int = 1800, env: dict | None = None) -> dict:
+    """Run ``module.func(**kwargs)`` in a fresh Python process (``env`` added to its environment) and
+    report its resident-set growth: the peak RSS of the process minus its RSS after the inputs were
+    built (the function reports that baseline itself and returns a JSON-able dict)."""
     # the peak is the child's VmHWM: getrusage's ru_maxrss survives exec on Linux and can report the RSS of
     # the (large) parent at fork time instead of the child's own
     code = (f"import json, sys; import {module} as m; "
@@ -84,7 +91,7 @@ def peak_rss_growth_mb(module: str, func: str, kwargs: dict, timeout: int = 1800
             "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]; "
             "r['peak_rss_mb'] = int(hwm) / 1024; print(json.dumps(r))")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ))
+                          timeout=timeout, env=dict(os.environ, **(env or {})))
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["killed"])[-1], "returncode": proc.returncode}
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -97,24 +97,45 @@ def indexer(smoke=False, results=None):
     return results
 
 
+def _training_inputs(L: int):
+    q, kw, flops = workloads.prefill(L, ratio=4)
+    return q, kw, torch.randn(q.shape).bfloat16() * 0.1, flops * 3.5   # backward: recompute S, dP, dQ, dK, dV
+
+
+def _training_step_seconds(q, kw, dout, repeat: int = 1) -> tuple[float, float]:
+    """(forward, grad) seconds of one CSA training step."""
+    o, lse = ops.sparse_flash_mla(q, return_softmax_lse=True, **kw)
+    t_f = timeit(lambda: ops.sparse_flash_mla(q, return_softmax_lse=True, **kw), repeat=repeat)
+    t_b = timeit(lambda: ops.sparse_flash_mla_grad(q, dout, o, lse, **kw), repeat=repeat)
+    return t_f, t_b
+
+
+def training_step_run(L: int) -> dict:
+    """Subprocess entry (run with REUSED_PAGES_ENV): the step's median seconds over 3 calls after a first."""
+    from .harness import current_rss_mb
+    q, kw, dout, flops = _training_inputs(L)
+    t_f, t_b = _training_step_seconds(q, kw, dout, repeat=3)
+    return {"seconds": t_f + t_b, "base_rss_mb": current_rss_mb(), "gflop": flops / 1e9,
+            "note": f"forward {t_f:.2f} s, grad {t_b:.2f} s"}
+
+
 def backward(smoke=False, results=None):
     results = [] if results is None else results
     L = 256 if smoke else 4096
-    q, kw, flops = workloads.prefill(L, ratio=4)
-    dout = torch.randn(q.shape).bfloat16() * 0.1
+    q, kw, dout, flops = _training_inputs(L)
     name = f"CSA training step {L // 1024 or L}{'K' if L >= 1024 else ''} tokens"
 
     def step(variant):
-        o, lse = ops.sparse_flash_mla(q, return_softmax_lse=True, **kw)
-        t_f = timeit(lambda: ops.sparse_flash_mla(q, return_softmax_lse=True, **kw), repeat=1)
-        t_b = timeit(lambda: ops.sparse_flash_mla_grad(q, dout, o, lse, **kw), repeat=1)
-        # backward FLOPs: recompute S (1 GEMM), dP, dQ, dK, dV: 5 GEMMs of the forward's per-GEMM size
-        results.append(Result("backward", name, variant, t_f + t_b, flops * 3.5 / 1e9,
+        t_f, t_b = _training_step_seconds(q, kw, dout)
+        results.append(Result("backward", name, variant, t_f + t_b, flops / 1e9,
                               note=f"forward {t_f:.2f} s, grad {t_b:.2f} s; FLOPs = forward x 3.5"))
     step("dsattn fwd + grad")
     if native.kernels() is not None and not smoke:      # the PyTorch path the compiled kernels replace
         with native.suspended():
             step("PyTorch path (DSATTN_NATIVE=0)")
+        from .attention import reused_pages_result
+        results.append(reused_pages_result("backward", name, "dsattn.benchmarks.others", "training_step_run",
+                                           {"L": L}))
     return results
 
 
