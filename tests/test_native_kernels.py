@@ -193,11 +193,14 @@ def test_indexer_exact_ties_in_the_golden_order(path, layout, paged, dtype):
 
 
 @pytest.mark.parametrize("R, H, D, N, page", [(5, 3, 33, 300, 300), (2, 80, 16, 64, 7), (7, 64, 128, 600, 64),
-                                              (1, 4, 8, 1, 1)])
+                                              (1, 4, 8, 1, 1), (40, 5, 33, 700, 64), (30, 64, 128, 1500, 1500),
+                                              (20, 16, 32, 90, 7)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_indexer_topk_against_float64(R, H, D, N, page, dtype, gemm_module):
     """topk = every key: the kernel's values are each row's scores in order, against float64 math;
-    keys reached through pages of ``page`` rows laid out in reverse, the unused rows NaN."""
+    keys reached through pages of ``page`` rows laid out in reverse, the unused rows NaN.  Rows of a
+    request are contiguous, as the op lays them out: long runs take the shared-key path (keys packed
+    once per block of rows), short ones the per-row path."""
     module = gemm_module
     P = -(-N // page)
     keys = torch.full((P * page + 5, D), float("nan")).to(dtype)
@@ -208,7 +211,7 @@ def test_indexer_topk_against_float64(R, H, D, N, page, dtype, gemm_module):
     q, w = torch.randn(R, H, D).to(dtype), torch.rand(R, H) + 0.1
     n = torch.randint(0, N + 1, (R,))
     n[0] = N
-    batch = torch.randint(0, 2, (R,))
+    batch = torch.sort(torch.randint(0, 2, (R,))).values
     vals, idx = module.indexer_topk(q, keys, starts, page, batch, n, w, N)
     exact = torch.einsum("rh,rhn->rn", w.double(), torch.relu(torch.einsum("rhd,nd->rhn", q.double(), logical.double())))
     for t in range(R):
@@ -226,17 +229,20 @@ def test_indexer_topk_streaming_selection_keeps_the_golden_order(topk, dtype, ge
     """Many keys (several chunks, selections that trim the candidates to topk more than once), small
     integers (exact scores, many ties), a few NaN keys (NaN scores rank first, as torch.topk ranks
     them): indices and values equal a stable descending sort exactly, ties to the lower key; the
-    per-row offset is added to kept indices only."""
+    per-row offset is added to kept indices only.  Two requests: 6 rows on the per-row path, 24 on the
+    shared-key path (over more keys than one packed block holds)."""
     module = gemm_module
-    R, H, D, N, page = 6, 8, 32, 1000, 100
+    R, H, D, N, page = 30, 8, 32, 2200, 100
     keys = torch.randint(-3, 4, (N, D)).to(dtype)
     nan_keys = torch.randperm(N)[:3]
     keys[nan_keys] = float("nan")
     pages = (torch.arange(N // page) * page)[None, :]
     q, w = torch.randint(-3, 4, (R, H, D)).to(dtype), torch.randint(1, 3, (R, H)).float()
-    n = torch.tensor([N, N - 1, 513, 37, 0, 650])
+    n = torch.cat([torch.tensor([N, N - 1, 513, 37, 0, 650]), torch.randint(0, N + 1, (R - 6,))])
+    n[-1] = N
+    batch = torch.tensor([0] * 6 + [1] * (R - 6))         # 6 rows (per-row path), then 24 (shared-key path)
     offset = torch.randint(0, 50, (R,))
-    vals, idx = module.indexer_topk(q, keys, pages, page, torch.zeros(R, dtype=torch.int64), n, w, topk, offset)
+    vals, idx = module.indexer_topk(q, keys, pages.repeat(2, 1), page, batch, n, w, topk, offset)
     exact = torch.einsum("rh,rhn->rn", w.double(), torch.relu(torch.einsum("rhd,nd->rhn", q.double(), keys.double())))
     for t in range(R):
         m = min(int(n[t]), topk)

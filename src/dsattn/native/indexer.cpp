@@ -4,11 +4,16 @@
 // the golden's order (score descending, ties to the lower key; dsattn/indexer/ref.py).  The dot
 // products are exact products of the half-precision inputs summed in fp32, as the golden's.
 //
-// One row at a time: its q^T is packed once as the GEMM's B operand ([Dp/2][Hp][2] for the oneDNN
-// ukernel where the CPU multiplies bf16 / fp16 natively, plain fp32 otherwise) and the keys are
-// the A operand straight from the cache, CHUNK at a time: C [keys, Hp] = k q^T.  No [rows, keys]
+// Rows of one request share its keys.  A run of SHARED_ROWS or more (a prefill) is scored in blocks
+// of rows: each block of KEY_BLOCK keys is packed once as the GEMM's B operand (K^T: [Dp/2][w][2]
+// panels for the oneDNN ukernel where the CPU multiplies bf16 / fp16 natively, plain fp32
+// otherwise) and every row's query is the A operand as it lies: C [H, keys] = q_t K^T, summed over
+// heads in vertical adds.  A lone row (decode) reads its keys once, so packing them would double
+// its traffic: its q^T is packed instead and the keys are the A operand straight from the cache,
+// CHUNK at a time: C [keys, Hp] = k q^T.  No [rows, keys]
 // score buffer exists: each chunk's scores are filtered against the row's running k-th best and
-// only candidates that beat it are kept (fewer than 2 topk + CHUNK), so memory is O(threads x topk).
+// only candidates that beat it are kept (fewer than 2 topk + CHUNK per row), so memory is
+// O(threads x ROW_BLOCK x topk) plus one packed key block per thread, whatever the context length.
 // The candidates stay in key order; a radix selection trims them to the best topk when they reach
 // 2 topk, and one stable radix sort by score orders them at the end (ties: lower key first).
 #include <torch/extension.h>
@@ -33,7 +38,12 @@ namespace {
 using at::native::cpublas::brgemm;
 using at::native::cpublas::brgemm_release;
 
-constexpr int64_t CHUNK = 128;  // keys per GEMM (its M): the fp32 scores [CHUNK, Hp] stay in L1 for the head sum
+constexpr int64_t CHUNK = 128;  // keys per GEMM: the fp32 scores [CHUNK, Hp] stay in L1 for the head sum
+// Runs of at least SHARED_ROWS rows of one request (a prefill) take the shared-key path, in blocks of
+// up to ROW_BLOCK rows over KEY_BLOCK keys at a time (packed once per block: 256 KB at D 128 bf16).
+constexpr int64_t SHARED_ROWS = 8;
+constexpr int64_t ROW_BLOCK = 64;
+constexpr int64_t KEY_BLOCK = 1024;
 using dsattn_native::PANEL;
 using dsattn_native::round_up;
 
@@ -107,6 +117,22 @@ HeadSum head_sum() {
                             : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? head_sum_avx2
                                                                                                : head_sum_scalar;
   return fn;
+}
+
+// out[j] = sum_h w[h] * relu(c[h, j]) for j < n over H rows of c (row stride ldc): the head sum of
+// scores laid out head-major (the shared-key path), in vertical adds.  NaN propagates through relu.
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void head_sum_by_rows(const float* __restrict__ c, int64_t H, int64_t ldc, int64_t n, const float* __restrict__ w,
+                      float* __restrict__ out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = 0.0f;
+  for (int64_t h = 0; h < H; ++h) {
+    const float wh = w[h];
+    const float* row = c + h * ldc;
+    for (int64_t j = 0; j < n; ++j) {
+      const float x = row[j];
+      out[j] += wh * (x < 0.0f ? 0.0f : x);             // (NaN < 0 is false: NaN stays)
+    }
+  }
 }
 
 // The golden's order as one unsigned key: scores descending (NaN first, as torch.topk ranks it),
@@ -270,35 +296,102 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
   float* vp = values.data_ptr<float>();
   int32_t* ip = indices.data_ptr<int32_t>();
   const HeadSum sum_heads = head_sum();
-  // a row's cost: its keys, plus about 64 keys' worth for packing its query and writing its top-k
+  const int64_t words = Dp * static_cast<int64_t>(sizeof(mm_t)) / 4;   // 32-bit words per key row of ka
+  // a row's cost: its keys, plus about 64 keys' worth for its query and its top-k
   dsattn_native::parallel_rows(R, [&](int64_t t) { return np[t] > 0 ? np[t] + 64 : 1; }, [&](int64_t t0, int64_t t1) {
     dsattn_native::Buffer<mm_t> qb(Dp * Hp);
     dsattn_native::Buffer<float> c(CHUNK * Hp), score(CHUNK), wpad(Hp, 0.0f);
-    RunningTopK best(k);
-    for (int64_t t = t0; t < t1; ++t) {
-      best.reset();
+    std::vector<RunningTopK> best(ROW_BLOCK, RunningTopK(k));
+    dsattn_native::Buffer<mm_t> panels, qa;                // (the shared path's, sized on first use)
+    std::vector<int64_t> chunk_at, chunk_n;
+
+    // One row against its keys, CHUNK at a time: C [keys, Hp] = k q^T, A = the keys as they lie.
+    auto one_row = [&](int64_t t, RunningTopK& top) {
       const int64_t count = np[t];
-      if (count > 0) {
-        dsattn_native::pack_query<scalar_t, mm_t>(qp + t * H * D, H, D, Hp, Dp, qb.data());   // B = q_t^T
-        std::copy(wp + t * H, wp + (t + 1) * H, wpad.begin());
-        for (int64_t j0 = 0; j0 < count;) {
-          const int64_t valid = std::min({CHUNK, count - j0, kp.page - j0 % kp.page});   // within one page
-          const int64_t first = kp.row(bp[t], j0);
-          // M rounded up (fewer kernel shapes): the extra rows are key rows of the tensor, unused
-          const int64_t M = std::min(round_up(valid, 16), Nk - first);
-          for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
-            const int64_t pw = std::min(PANEL, Hp - h0);
-            if constexpr (packed)
-              brgemm(M, pw, Dp, Dp, pw, Hp, false, ka + first * Dp, qb.data() + h0 * Dp, c.data() + h0, true);
-            else
-              brgemm(M, pw, Dp, Dp, Hp, Hp, false, ka + first * Dp, qb.data() + h0, c.data() + h0, false);
+      dsattn_native::pack_query<scalar_t, mm_t>(qp + t * H * D, H, D, Hp, Dp, qb.data());   // B = q_t^T
+      std::copy(wp + t * H, wp + (t + 1) * H, wpad.begin());
+      for (int64_t j0 = 0; j0 < count;) {
+        const int64_t valid = std::min({CHUNK, count - j0, kp.page - j0 % kp.page});   // within one page
+        const int64_t first = kp.row(bp[t], j0);
+        // M rounded up (fewer kernel shapes): the extra rows are key rows of the tensor, unused
+        const int64_t M = std::min(round_up(valid, 16), Nk - first);
+        for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
+          const int64_t pw = std::min(PANEL, Hp - h0);
+          if constexpr (packed)
+            brgemm(M, pw, Dp, Dp, pw, Hp, false, ka + first * Dp, qb.data() + h0 * Dp, c.data() + h0, true);
+          else
+            brgemm(M, pw, Dp, Dp, Hp, Hp, false, ka + first * Dp, qb.data() + h0, c.data() + h0, false);
+        }
+        sum_heads(c.data(), valid, Hp, wpad.data(), score.data());
+        top.add(score.data(), valid, j0);
+        j0 += valid;
+      }
+    };
+
+    // Rows [r0, r1) of one request sharing its keys: each block of KEY_BLOCK keys is packed once as the
+    // GEMM's B operand (K^T: [Dp/2][w][2] panels of w <= CHUNK keys, or fp32 [Dp][w]) and every row's
+    // query is the A operand as it lies: C [H, keys] = q_t K^T, summed over heads in vertical adds.
+    auto shared_rows = [&](int64_t r0, int64_t r1) {
+      int64_t most = 0;
+      for (int64_t t = r0; t < r1; ++t) most = std::max(most, np[t]), best[t - r0].reset();
+      const int64_t b = bp[r0];
+      const bool direct = std::is_same_v<scalar_t, mm_t> && D == Dp;   // q rows are A as they lie
+      if (panels.empty()) panels.resize(KEY_BLOCK * Dp);
+      if (!direct && qa.empty()) qa.resize(H * Dp, mm_t(0));
+      for (int64_t kb0 = 0; kb0 < most;) {
+        // this block's chunks (each within one page, w <= CHUNK keys padded to 16), packed one after another
+        chunk_at.clear(), chunk_n.clear();
+        int64_t j0 = kb0, off = 0;
+        while (j0 < most) {
+          const int64_t valid = std::min({CHUNK, most - j0, kp.page - j0 % kp.page}), w = round_up(valid, 16);
+          if (off + w * Dp > KEY_BLOCK * Dp) break;
+          mm_t* panel = panels.data() + off;
+          if (valid < w) std::fill(panel, panel + w * Dp, mm_t(0));
+          dsattn_native::transpose_words(reinterpret_cast<const uint32_t*>(ka + kp.row(b, j0) * Dp), words, valid, words,
+                                         reinterpret_cast<uint32_t*>(panel), w);
+          chunk_at.push_back(j0), chunk_n.push_back(valid);
+          off += w * Dp, j0 += valid;
+        }
+        const int64_t kb1 = j0;
+        for (int64_t t = r0; t < r1; ++t) {
+          const int64_t count = np[t];
+          if (count <= kb0) continue;
+          const mm_t* a = reinterpret_cast<const mm_t*>(qp + t * H * D);
+          if (!direct) {
+            for (int64_t h = 0; h < H; ++h)
+              for (int64_t d = 0; d < D; ++d) qa[h * Dp + d] = static_cast<mm_t>(qp[(t * H + h) * D + d]);
+            a = qa.data();
           }
-          sum_heads(c.data(), valid, Hp, wpad.data(), score.data());
-          best.add(score.data(), valid, j0);
-          j0 += valid;
+          const mm_t* panel = panels.data();
+          for (size_t i = 0; i < chunk_at.size() && chunk_at[i] < count; ++i) {
+            const int64_t w = round_up(chunk_n[i], 16), valid = std::min(chunk_n[i], count - chunk_at[i]);
+            brgemm(H, w, Dp, Dp, w, CHUNK, false, a, panel, c.data(), packed);
+            head_sum_by_rows(c.data(), H, CHUNK, valid, wp + t * H, score.data());
+            best[t - r0].add(score.data(), valid, chunk_at[i]);
+            panel += w * Dp;
+          }
+        }
+        kb0 = kb1;
+      }
+    };
+
+    for (int64_t t = t0; t < t1;) {
+      int64_t run = t + 1;                       // the run of rows of t's request
+      while (run < t1 && bp[run] == bp[t]) ++run;
+      if (run - t >= SHARED_ROWS) {
+        for (int64_t r0 = t; r0 < run; r0 += ROW_BLOCK) {
+          const int64_t r1 = std::min(run, r0 + ROW_BLOCK);
+          shared_rows(r0, r1);
+          for (int64_t r = r0; r < r1; ++r) best[r - r0].write(vp + r * k, ip + r * k, offset == nullptr ? 0 : offset[r]);
+        }
+      } else {
+        for (int64_t r = t; r < run; ++r) {
+          best[0].reset();
+          if (np[r] > 0) one_row(r, best[0]);
+          best[0].write(vp + r * k, ip + r * k, offset == nullptr ? 0 : offset[r]);
         }
       }
-      best.write(vp + t * k, ip + t * k, offset == nullptr ? 0 : offset[t]);
+      t = run;
     }
     if (packed) brgemm_release(true);
   });
