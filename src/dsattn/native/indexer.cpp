@@ -281,14 +281,11 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
   constexpr bool packed = !std::is_same_v<mm_t, float>;
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2), Nk = keys.size(0), k = values.size(1);
   const int64_t Hp = round_up(H, 16), Dp = round_up(D, 16);
-  // The A operand: the keys as they are, or (fp32 GEMMs on half-precision keys, a head dim that is
-  // not a multiple of 16: the packed ukernel faults on an odd K) a widened / zero-padded copy.
-  at::Tensor keys_a = keys;
-  if (!std::is_same_v<scalar_t, mm_t> || Dp != D) {
-    keys_a = at::zeros({Nk, Dp}, keys.options().dtype(c10::CppTypeToScalarType<mm_t>::value));
-    keys_a.narrow(1, 0, D).copy_(keys);
-  }
-  const mm_t* ka = keys_a.data_ptr<mm_t>();
+  // Key rows as GEMM operands: as they lie, or (fp32 GEMMs on half-precision keys, a head dim that is
+  // not a multiple of 16: the packed ukernel faults on an odd K) widened / zero-padded a chunk at a
+  // time as they are read (a whole widened copy would read and write the cache twice per call).
+  const bool rows_direct = std::is_same_v<scalar_t, mm_t> && D == Dp;
+  const scalar_t* kr = keys.data_ptr<scalar_t>();
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const float* wp = w.data_ptr<float>();
   const int64_t* bp = batch.data_ptr<int64_t>();
@@ -304,6 +301,14 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
     std::vector<RunningTopK> best(ROW_BLOCK, RunningTopK(k));
     dsattn_native::Buffer<mm_t> panels, qa;                // (the shared path's, sized on first use)
     std::vector<int64_t> chunk_at, chunk_n;
+    dsattn_native::Buffer<mm_t> widened(rows_direct ? 0 : CHUNK * Dp, mm_t(0));
+    // rows [first, first + m) of the keys as [m, Dp] operand rows (m <= CHUNK)
+    auto key_rows = [&](int64_t first, int64_t m) -> const mm_t* {
+      if (rows_direct) return reinterpret_cast<const mm_t*>(kr + first * D);
+      for (int64_t j = 0; j < m; ++j)
+        for (int64_t d = 0; d < D; ++d) widened[j * Dp + d] = static_cast<mm_t>(kr[(first + j) * D + d]);
+      return widened.data();
+    };
 
     // One row against its keys, CHUNK at a time: C [keys, Hp] = k q^T, A = the keys as they lie.
     auto one_row = [&](int64_t t, RunningTopK& top) {
@@ -313,14 +318,16 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
       for (int64_t j0 = 0; j0 < count;) {
         const int64_t valid = std::min({CHUNK, count - j0, kp.page - j0 % kp.page});   // within one page
         const int64_t first = kp.row(bp[t], j0);
-        // M rounded up (fewer kernel shapes): the extra rows are key rows of the tensor, unused
-        const int64_t M = std::min(round_up(valid, 16), Nk - first);
+        // M rounded up (fewer kernel shapes): the extra rows (key rows of the tensor, or earlier rows of
+        // the widened buffer) are never read back
+        const int64_t M = rows_direct ? std::min(round_up(valid, 16), Nk - first) : round_up(valid, 16);
+        const mm_t* ka = key_rows(first, valid);
         for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
           const int64_t pw = std::min(PANEL, Hp - h0);
           if constexpr (packed)
-            brgemm(M, pw, Dp, Dp, pw, Hp, false, ka + first * Dp, qb.data() + h0 * Dp, c.data() + h0, true);
+            brgemm(M, pw, Dp, Dp, pw, Hp, false, ka, qb.data() + h0 * Dp, c.data() + h0, true);
           else
-            brgemm(M, pw, Dp, Dp, Hp, Hp, false, ka + first * Dp, qb.data() + h0, c.data() + h0, false);
+            brgemm(M, pw, Dp, Dp, Hp, Hp, false, ka, qb.data() + h0, c.data() + h0, false);
         }
         sum_heads(c.data(), valid, Hp, wpad.data(), score.data());
         top.add(score.data(), valid, j0);
@@ -347,8 +354,8 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
           if (off + w * Dp > KEY_BLOCK * Dp) break;
           mm_t* panel = panels.data() + off;
           if (valid < w) std::fill(panel, panel + w * Dp, mm_t(0));
-          dsattn_native::transpose_words(reinterpret_cast<const uint32_t*>(ka + kp.row(b, j0) * Dp), words, valid, words,
-                                         reinterpret_cast<uint32_t*>(panel), w);
+          dsattn_native::transpose_words(reinterpret_cast<const uint32_t*>(key_rows(kp.row(b, j0), valid)), words, valid,
+                                         words, reinterpret_cast<uint32_t*>(panel), w);
           chunk_at.push_back(j0), chunk_n.push_back(valid);
           off += w * Dp, j0 += valid;
         }
