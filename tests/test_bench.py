@@ -32,5 +32,5 @@ def test_emulated_avx2_bench_runs_the_fp32_path():
     proc = subprocess.run([sys.executable, "-m", "dsattn.cli", "bench", "--emulate-avx2", "--which"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    if "compiled" in proc.stdout:
+    if "CPU attention forward: compiled" in proc.stdout:
         assert "bf16 widened to fp32 GEMMs (forced: DSATTN_NATIVE_GEMM=fp32)" in proc.stdout
