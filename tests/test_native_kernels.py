@@ -27,7 +27,7 @@ def path(request, monkeypatch, native_module):
             pytest.skip(f"no compiled layer here: {native.status()}")
         if request.param == "native-fp32":
             native_module.set_fp32_gemm(True)
-            request.addfinalizer(lambda: native_module.set_fp32_gemm(native._fp32_requested()))
+            request.addfinalizer(lambda: native_module.set_fp32_gemm(native.fp32_requested()))
             assert native_module.attention_gemm("bfloat16") == "fp32"
         for owner, name in ((fast, "_forward_native"), (fast, "_backward_native"), (indexer_fast, "_native_topk")):
             real = getattr(owner, name)
@@ -47,7 +47,7 @@ def gemm_module(request, native_module):
         pytest.skip(f"no compiled layer here: {native.status()}")
     native_module.set_fp32_gemm(request.param == "fp32")
     yield native_module
-    native_module.set_fp32_gemm(native._fp32_requested())
+    native_module.set_fp32_gemm(native.fp32_requested())
 
 
 def _forward_rows(case):
@@ -266,6 +266,18 @@ def test_indexer_topk_rejects_pages_out_of_range(native_module):
         module.indexer_topk(q, keys, *args, torch.tensor([9]), w, 4)    # a third page
     with pytest.raises(RuntimeError, match="keys"):
         module.indexer_topk(q, keys.float(), *args, torch.tensor([6]), w, 4)
+    with pytest.raises(RuntimeError, match="offset: expected an int64"):
+        module.indexer_topk(q, keys, *args, torch.tensor([6]), w, 4, torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="offset: expected an int64"):
+        module.indexer_topk(q, keys, *args, torch.tensor([6]), w, 4, torch.tensor([1, 2]))
+
+
+def test_native_gemm_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("DSATTN_NATIVE_GEMM", "fp16")
+    with pytest.raises(ValueError, match="DSATTN_NATIVE_GEMM: expected 'fp32' or unset, got 'fp16'"):
+        native.fp32_requested()
+    monkeypatch.setenv("DSATTN_NATIVE_GEMM", "FP32")
+    assert native.fp32_requested()
 
 
 @pytest.mark.parametrize("cache_mode", [1, 2])

@@ -81,7 +81,8 @@ def _cpu_attention(module) -> str:
     if module is None:
         return "vectorised PyTorch (the compiled kernels are not loaded)"
     gemm = {m: module.attention_gemm(m) for m in ("bfloat16", "float16")}
-    forced = " (forced: DSATTN_NATIVE_GEMM=fp32)" if os.environ.get("DSATTN_NATIVE_GEMM", "").lower() == "fp32" else ""
+    from . import native
+    forced = " (forced: DSATTN_NATIVE_GEMM=fp32)" if native.fp32_requested() else ""
     how = lambda g: "half-precision products, fp32 sums (oneDNN ukernel: AMX / AVX512-BF16)" if g == "packed" \
         else "widened to fp32 GEMMs" + forced   # noqa: E731
     return (f"compiled (dsattn/native/attention.cpp): bf16 {how(gemm['bfloat16'])}; fp16 {how(gemm['float16'])}; "

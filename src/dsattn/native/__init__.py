@@ -117,11 +117,15 @@ def fp32_gemm():
     try:
         yield
     finally:
-        module.set_fp32_gemm(_fp32_requested())
+        module.set_fp32_gemm(fp32_requested())
 
 
-def _fp32_requested() -> bool:
-    return os.environ.get("DSATTN_NATIVE_GEMM", "").strip().lower() == "fp32"
+def fp32_requested() -> bool:
+    """``DSATTN_NATIVE_GEMM``: ``fp32`` forces the fp32 GEMM path; unset (or empty) leaves the CPU's best."""
+    value = os.environ.get("DSATTN_NATIVE_GEMM", "").strip().lower()
+    if value not in ("", "fp32"):
+        raise ValueError(f"DSATTN_NATIVE_GEMM: expected 'fp32' or unset, got {value!r}")
+    return value == "fp32"
 
 
 def load():
@@ -131,6 +135,7 @@ def load():
     if "module" in _state:
         return _state["module"]
     from torch.utils import cpp_extension
+    fp32 = fp32_requested()                          # (a bad value is the caller's error, not a build failure)
     args = _build_args()
     try:
         build_dir = cpp_extension._get_build_directory(args["name"], False)
@@ -142,7 +147,7 @@ def load():
             with open(stamp_path, "w") as f:
                 f.write(stamp)
         module = cpp_extension.load(**args)          # up to date: ninja has nothing to do, the module imports
-        module.set_fp32_gemm(_fp32_requested())
+        module.set_fp32_gemm(fp32)
         _state.update(module=module, error=None)
     except Exception as exc:                        # no compiler / ninja, or a build error
         first = (str(exc).strip().splitlines() or [""])[0][:300]
