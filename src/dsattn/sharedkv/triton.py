@@ -112,10 +112,10 @@ def plan_walk_kernel(TABLE, Q, K, A, ROW_LO, N_M, REC_FIRST, REC_WIN_END, REC_S2
                     A_row = A + t * stride_ar
                     # the segment's key columns: window blocks, then compressed blocks
                     row_lo = tl.load(ROW_LO + t)
-                    o_lo = tl.minimum(tl.maximum(first + S2_BASE_C * lo_blk - row_lo, 0), WO)
-                    o_hi = tl.minimum(tl.maximum(first + S2_BASE_C * tl.minimum(stop, win_end) - row_lo, 0), WO)
-                    c_lo = WO + tl.minimum(tl.maximum(S2_BASE_C * (lo_blk - win_end), 0), WC)
-                    c_hi = WO + tl.minimum(tl.maximum(S2_BASE_C * (stop - win_end), 0), WC)
+                    o_lo = tl.minimum(tl.maximum(first + lo_blk * S2_BASE_C - row_lo, 0), WO)
+                    o_hi = tl.minimum(tl.maximum(first + tl.minimum(stop, win_end) * S2_BASE_C - row_lo, 0), WO)
+                    c_lo = WO + tl.minimum(tl.maximum((lo_blk - win_end) * S2_BASE_C, 0), WC)
+                    c_hi = WO + tl.minimum(tl.maximum((stop - win_end) * S2_BASE_C, 0), WC)
                     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
                     count = tl.zeros([BLOCK_H], tl.int32)
                     m_i, count = range_max(q_a, q_b, q_row, hmask, K, A_row, o_lo, o_hi, m_i, count, D, N, ROPE,
