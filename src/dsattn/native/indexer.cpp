@@ -229,6 +229,61 @@ uint64_t* sort_by_score(uint64_t* a, size_t n, uint64_t* tmp) {
   return a;
 }
 
+// Appends to out the order keys of the scores[j] (keys first + j) that enter: all of them when
+// ``open``, else those with a score strictly greater than ``bar`` or a NaN over a number bar;
+// returns how many it appended.  Stores one key per score past the count (out has room for count).
+size_t enter_scalar(const float* scores, int64_t count, int64_t first, float bar, bool open, uint64_t* out) {
+  size_t size = 0;
+  for (int64_t j = 0; j < count; ++j) {           // written without a branch, counted if it enters
+    const float v = scores[j];
+    out[size] = order_key(v, first + j);
+    size += open || v > bar || (v != v && bar == bar);
+  }
+  return size;
+}
+
+// The same 16 scores at a time: one compare gives the lanes that enter (none, in most chunks once the
+// bar has risen), and their keys are built and compress-stored in order.  A scalar append costs a
+// dependent store per score: 3.5 of 10.8 ms of a B 32 x 32K decode with its keys in cache.
+__attribute__((target("avx512f"))) size_t enter_avx512(const float* scores, int64_t count, int64_t first, float bar,
+                                                       bool open, uint64_t* out) {
+  const __m512 bars = _mm512_set1_ps(bar);
+  const bool bar_is_nan = bar != bar;
+  const __m512i ones = _mm512_set1_epi32(-1), sign = _mm512_set1_epi32(INT32_MIN);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  size_t size = 0;
+  int64_t j = 0;
+  for (; j + 16 <= count; j += 16) {
+    const __m512 v = _mm512_loadu_ps(scores + j);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 in = open ? __mmask16(0xFFFF)
+                              : __mmask16(_mm512_cmp_ps_mask(v, bars, _CMP_GT_OQ) | (bar_is_nan ? 0 : nan));
+    if (in == 0) continue;
+    // order_key: the score's ascending bits (NaN: all ones), complemented, over the key index
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i ascending = _mm512_mask_mov_epi32(_mm512_or_si512(u, sign), _mm512_test_epi32_mask(u, sign),
+                                              _mm512_xor_si512(u, ones));
+    ascending = _mm512_mask_mov_epi32(ascending, nan, ones);
+    const __m512i high = _mm512_xor_si512(ascending, ones);
+    const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first + j)), lanes);
+    for (int half = 0; half < 2; ++half) {
+      const __mmask8 m = static_cast<__mmask8>(in >> (8 * half));
+      const __m256i h = half ? _mm512_extracti64x4_epi64(high, 1) : _mm512_castsi512_si256(high);
+      const __m256i i = half ? _mm512_extracti64x4_epi64(index, 1) : _mm512_castsi512_si256(index);
+      const __m512i keys = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(h), 32), _mm512_cvtepu32_epi64(i));
+      _mm512_mask_compressstoreu_epi64(out + size, m, keys);
+      size += __builtin_popcount(m);
+    }
+  }
+  return size + enter_scalar(scores + j, count - j, first + j, bar, open, out + size);
+}
+
+using Enter = size_t (*)(const float*, int64_t, int64_t, float, bool, uint64_t*);
+Enter enter() {
+  static const Enter fn = __builtin_cpu_supports("avx512f") ? enter_avx512 : enter_scalar;
+  return fn;
+}
+
 // The best k of a stream of keys arriving in ascending key order.  The candidates stay in that
 // order (selection keeps order), so the final sort orders them by score alone: ties stay lowest
 // key first, the golden's rule.
@@ -244,13 +299,8 @@ class RunningTopK {
     const bool open = bar_ == ~uint64_t(0);
     const float bv = order_value(bar_);
     uint64_t* out = cand_.data();
-    size_t size = size_;                          // < 2 k: room for count <= CHUNK more
-    for (int64_t j = 0; j < count; ++j) {         // written without a branch, counted if it enters
-      const float v = scores[j];
-      out[size] = order_key(v, first + j);
-      size += open || v > bv || (v != v && bv == bv);
-    }
-    size_ = size;
+    static const Enter enter_keys = enter();
+    size_ += enter_keys(scores, count, first, bv, open, out + size_);   // size_ < 2 k: room for count <= CHUNK more
     if (size_ >= size_t(2 * k_) || (open && size_ >= size_t(k_))) {   // back to the best k; the k-th is the new bar
       bar_ = kth_smallest(out, size_, k_, tmp_.data());
       size_ = keep_up_to(out, size_, bar_);
