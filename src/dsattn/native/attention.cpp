@@ -801,10 +801,12 @@ std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std:
 
 // Gradients of the forward above: (dq [R, H, D] q's dtype, dsources: one fp32 [N_i, D] per source,
 // dsinks [H] fp32 (zeros without sinks), pmean [R, W] fp32: P averaged over heads per index slot).
+// dq_into: dq is written there (rows of the op's output: no block copy, no fresh block to fault in).
 std::vector<at::Tensor> sparse_attention_backward(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out,
                                                   const at::Tensor& lse, const std::vector<at::Tensor>& sources,
                                                   const std::vector<at::Tensor>& rows,
-                                                  const c10::optional<at::Tensor>& sinks, double scale) {
+                                                  const c10::optional<at::Tensor>& sinks, double scale,
+                                                  const c10::optional<at::Tensor>& dq_into) {
   check_operands(q, sources, rows);
   for (const auto* t : {&dout, &out})
     TORCH_CHECK(t->sizes() == q.sizes() && t->scalar_type() == q.scalar_type() && t->is_contiguous(),
@@ -820,7 +822,9 @@ std::vector<at::Tensor> sparse_attention_backward(const at::Tensor& q, const at:
   }
   at::Tensor sinks_f;
   const float* sink_ptr = sink_values(sinks, H, sinks_f);
-  auto dq = at::empty_like(q);
+  auto dq = dq_into.has_value() ? *dq_into : at::empty_like(q);
+  TORCH_CHECK(dq.sizes() == q.sizes() && dq.scalar_type() == q.scalar_type() && dq.is_contiguous() &&
+                  dq.device().is_cpu(), "dq: expected a contiguous CPU tensor shaped and typed like q");
   auto dsinks = at::zeros({H}, q.options().dtype(at::kFloat));
   auto pmean = at::empty({R, width}, q.options().dtype(at::kFloat));
   dsattn_native::dispatch_gemm(q.scalar_type(), [&](auto s, auto m) {

@@ -247,7 +247,7 @@ def _backward_native(P: MlaProblem, module, flat, qf, dof, of, lse_rows) -> tupl
     returns dq, the key rows' fp32 gradients and P's head mean per index slot (for the L1 norms)."""
     q, dev = P.q, P.q.device
     R, sdt = qf.size(0), stat_dtype(q)
-    dq = torch.empty_like(qf)
+    dq = torch.empty(qf.shape, dtype=qf.dtype, device=dev)      # contiguous: the kernel writes its row blocks
     grads = [torch.zeros(f.shape, dtype=torch.float32, device=dev) for f in flat]
     dsinks = torch.zeros(q.size(-2), dtype=torch.float32, device=dev)
     sinks = None if P.sinks is None else P.sinks.float()
@@ -259,8 +259,8 @@ def _backward_native(P: MlaProblem, module, flat, qf, dof, of, lse_rows) -> tupl
         k = native_keys(P, flat, t0, t1)
         sources, index = _native_keys(P, flat, k)
         res = module.sparse_attention_backward(qf[t0:t1].contiguous(), dof[t0:t1].contiguous(), of[t0:t1].contiguous(),
-                                               lse_rows[t0:t1].float().contiguous(), sources, index, sinks, P.scale)
-        dq[t0:t1] = res[0]
+                                               lse_rows[t0:t1].float().contiguous(), sources, index, sinks, P.scale,
+                                               dq=dq[t0:t1])
         for g, part in zip(grads, res[1:1 + len(sources)]):
             g += part
         dsinks += res[-2]
