@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import use_triton
+from ..common.memory import empty_output
 from ..common.softmax import round_q
 from .problem import IndexerProblem, kl_valid_slots
 
@@ -194,7 +195,7 @@ def kl_loss_grad(P: IndexerProblem, sparse_indices: torch.Tensor, attn_softmax_l
     idx_all, p_all = rows.flat(sparse_indices)[:, 0], rows.flat(attn_softmax_l1_norm)[:, 0]
     R, H, D = qf.shape
     K = idx_all.size(1)
-    dq = torch.empty(R, H, D, dtype=q.dtype, device=dev)
+    dq = empty_output(R, H, D, dtype=q.dtype, device=dev)
     dk = torch.zeros(P.k.tensor.shape, dtype=torch.float32, device=dev)
     dw = torch.empty(R, H, dtype=torch.float32, device=dev)
     soft = torch.empty(R, K, dtype=torch.float32, device=dev)

@@ -13,6 +13,7 @@ import torch
 
 from ..backend import use_triton
 from ..common.checks import content_checks_enabled
+from ..common.memory import empty_output
 from ..common.softmax import round_q, softmax_with_sink
 from ..quant.rows import KV_LORA_RANK, TILE_SIZE, unpack_kv_rows
 from .problem import QsfaProblem
@@ -53,7 +54,7 @@ def forward(P: QsfaProblem, want_stats: bool):
     qf = P.rows.flat(q)
     R, H, _ = qf.shape
     dev = q.device
-    out = torch.empty(R, H, KV_LORA_RANK, dtype=q.dtype, device=dev)
+    out = empty_output(R, H, KV_LORA_RANK, dtype=q.dtype, device=dev)
     smax = torch.empty(R, H, dtype=torch.float32, device=dev)
     ssum = torch.empty(R, H, dtype=torch.float32, device=dev)
     zero = torch.zeros((), dtype=torch.float32, device=dev)

@@ -13,6 +13,7 @@ import torch
 
 from ..backend import use_triton
 from ..common.checks import stat_dtype
+from ..common.memory import empty_output
 from ..common.softmax import attend, attention_dtype, round_q, uses_flash
 from .problem import MlaProblem, lse_from_rows, lse_to_rows
 
@@ -132,14 +133,14 @@ def forward(P: MlaProblem, return_softmax_lse: bool):
     native = native_sources(P)
     if native is not None:
         R, H, D = P.rows.R, q.size(-2), q.size(-1)
-        out = torch.empty(R, H, D, dtype=q.dtype, device=q.device)
+        out = empty_output(R, H, D, dtype=q.dtype, device=q.device)
         lse = torch.empty(R, H, dtype=stat_dtype(q), device=q.device)
         _forward_native(P, *native, out, lse)
         return _results(P, out, lse, return_softmax_lse)
     cdt = _compute_dtype(q)
     qf = P.rows.flat(q)
     R, H, D = qf.shape
-    out = torch.empty(R, H, D, dtype=q.dtype, device=q.device)
+    out = empty_output(R, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(R, H, dtype=stat_dtype(q), device=q.device)
     sinks = None if P.sinks is None else P.sinks.to(cdt)
     adt = attention_dtype(q)
@@ -203,7 +204,7 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
         return _backward_native(P, *native, qf, dof, of, lse_rows)
     R, H, D = qf.shape
     Wo = P.ori_width
-    dq = torch.empty(R, H, D, dtype=q.dtype, device=dev)
+    dq = empty_output(R, H, D, dtype=q.dtype, device=dev)
     dori = torch.zeros(P.ori.tensor.shape, dtype=cdt, device=dev)
     dcmp = torch.zeros(P.cmp.tensor.shape, dtype=cdt, device=dev) if P.cmp is not None else None
     dsinks = torch.zeros(H, dtype=cdt, device=dev)
@@ -247,7 +248,7 @@ def _backward_native(P: MlaProblem, module, flat, qf, dof, of, lse_rows) -> tupl
     returns dq, the key rows' fp32 gradients and P's head mean per index slot (for the L1 norms)."""
     q, dev = P.q, P.q.device
     R, sdt = qf.size(0), stat_dtype(q)
-    dq = torch.empty(qf.shape, dtype=qf.dtype, device=dev)      # contiguous: the kernel writes its row blocks
+    dq = empty_output(*qf.shape, dtype=qf.dtype, device=dev)      # contiguous: the kernel writes its row blocks
     grads = [torch.zeros(f.shape, dtype=torch.float32, device=dev) for f in flat]
     dsinks = torch.zeros(q.size(-2), dtype=torch.float32, device=dev)
     sinks = None if P.sinks is None else P.sinks.float()
