@@ -80,12 +80,11 @@ def test_backward_equals_golden(path, layout, ratio, dtype):
     assert bool(path[1]) == (path[0] != "torch")
 
 
+@pytest.mark.parametrize("path", ["native", "native-fp32"], indirect=True)   # (the blocks are the compiled path's)
 @pytest.mark.parametrize("ratio", [1, 4])
 def test_rows_in_blocks(path, ratio, monkeypatch):
     """Long calls go to the kernels in blocks of rows, each written into its rows of the op's outputs
     (forward: out and lse; backward: dq) and its key gradients summed: blocks of 5 rows here."""
-    if path[0] == "torch":
-        pytest.skip("the blocks are the compiled path's")
     monkeypatch.setattr(fast, "_native_block_rows", lambda P, R: 5)
     case = cases.mla_case("TND", ratio, torch.bfloat16, seed=torch.randint(0, 2**31 - 1, ()).item())
     bad = [f"{r.case}/{r.output}: {r.result}" for r in verify.mla_rows(case) if not r.result.passed]
