@@ -7,6 +7,10 @@ such faults, about 0.09 s of a 0.25 s window-attention call on a 2-core AMX mach
 huge pages (``madvise(MADV_HUGEPAGE)``) before the first write, the same memory faults in 2 MB at
 a time: 8K SWA prefill 245-255 -> 179-183 ms, CSA 618-649 -> 544-552 ms (bench/RESULTS.md notes).
 
+Caches gain too: a decode step reads rows scattered over them, one page walk per row in 4 KB
+pages; in 2 MB pages the walks mostly hit (V4-Flash CSA decode B 32: 3.12-3.16 -> 2.89-2.99 ms with
+its caches collapsed to huge pages).  :func:`cache_zeros` allocates a cache that way.
+
 This is advice, not a requirement: it takes effect where the kernel's transparent huge pages are
 ``madvise`` or ``always`` (``/sys/kernel/mm/transparent_hugepage/enabled``), only on the 2 MB-aligned
 part of a block, and nowhere but Linux.  ``DSATTN_HUGE_PAGES=0`` turns it off (with THP ``defrag``
@@ -68,3 +72,9 @@ def empty_output(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
     t = torch.empty(*shape, dtype=dtype, device=device)
     advise_huge_pages(t)
     return t
+
+
+def cache_zeros(*shape: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """A zero-filled cache (long-lived, read at scattered rows), on huge pages where it is large and on
+    the CPU."""
+    return empty_output(*shape, dtype=dtype, device=device).zero_()

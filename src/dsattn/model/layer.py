@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..common.memory import cache_zeros
 from ..common.rope import rms_norm, rotary
 from ..quant.block import PAYLOAD_DTYPES
 from ..quant.rows import quantize_kv_rows, row_width
@@ -179,13 +180,13 @@ class DeepseekV4Attention:
     def new_caches(self, num_pages: int) -> LayerCaches:
         c, p, dt = self.cfg, self.cfg.page_size, self.dtype
         kv_width = self.kv_row_bytes if self.packed else c.head_dim
-        caches = LayerCaches(window=torch.zeros(num_pages, p, 1, kv_width, dtype=self.kv_dtype))
+        caches = LayerCaches(window=cache_zeros(num_pages, p, 1, kv_width, dtype=self.kv_dtype))
         if self.ratio:
-            caches.cmp = torch.zeros(num_pages, p, 1, kv_width, dtype=self.kv_dtype)
-            caches.state = torch.zeros(num_pages, p, 2 * self.coff * c.head_dim)
+            caches.cmp = cache_zeros(num_pages, p, 1, kv_width, dtype=self.kv_dtype)
+            caches.state = cache_zeros(num_pages, p, 2 * self.coff * c.head_dim, dtype=torch.get_default_dtype())
         if self.ratio == 4:
-            caches.index_keys = torch.zeros(num_pages, p, 1, c.index_dim, dtype=dt)
-            caches.index_state = torch.zeros(num_pages, p, 4 * c.index_dim)
+            caches.index_keys = cache_zeros(num_pages, p, 1, c.index_dim, dtype=dt)
+            caches.index_state = cache_zeros(num_pages, p, 4 * c.index_dim, dtype=torch.get_default_dtype())
         return caches
 
     # ------------------------------------------------------------------ forward
