@@ -1,4 +1,4 @@
-"""Large fresh CPU outputs are advised to transparent huge pages (dsattn/common/memory.py)."""
+"""Transparent huge pages for large CPU caches, and on request for outputs (dsattn/common/memory.py)."""
 import re
 
 import pytest
@@ -30,28 +30,40 @@ def _huge_kb_at(address: int) -> int:
     return 0
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
-def test_large_outputs_fault_in_as_huge_pages(monkeypatch):
-    monkeypatch.delenv("DSATTN_HUGE_PAGES", raising=False)
-    t = memory.empty_output(64 << 20, dtype=torch.uint8, device="cpu")
-    t.fill_(1)
-    assert _huge_kb_at(t.data_ptr() + (32 << 20)) >= 2048
-    small = memory.empty_output(1 << 20, dtype=torch.uint8, device="cpu")
-    assert not memory.advise_huge_pages(small)          # below MIN_BYTES: left alone
+# 64 MB blocks: past glibc's largest mmap threshold, so fresh mappings, never reused heap pages
+BIG = 64 << 20
+needs_thp = pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+needs_madvise = pytest.mark.skipif(_thp_mode() != "madvise", reason="huge pages here are not only on request")
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
-def test_the_op_output_is_on_huge_pages(monkeypatch):
-    """(64 MB: past glibc's largest mmap threshold, so a fresh mapping, never reused heap pages.)"""
+@needs_thp
+def test_caches_are_on_huge_pages_by_default(monkeypatch):
     monkeypatch.delenv("DSATTN_HUGE_PAGES", raising=False)
-    q, kw, _ = workloads.prefill(1024, ratio=1)         # out: 1024 x 64 x 512 bf16
+    t = memory.cache_zeros(BIG, dtype=torch.uint8)
+    assert not t.any()
+    assert _huge_kb_at(t.data_ptr() + BIG // 2) >= 2048
+    assert not memory.advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))   # below MIN_BYTES
+
+
+@needs_madvise
+def test_outputs_only_on_request(monkeypatch):
+    q, kw, _ = workloads.prefill(1024, ratio=1)         # out: 1024 x 64 x 512 bf16 = 64 MB
+    monkeypatch.delenv("DSATTN_HUGE_PAGES", raising=False)
+    out = ops.sparse_flash_mla(q, **kw)[0]
+    assert _huge_kb_at(out.data_ptr() + out.nbytes // 2) == 0
+    monkeypatch.setenv("DSATTN_HUGE_PAGES", "outputs")
     out = ops.sparse_flash_mla(q, **kw)[0]
     assert _huge_kb_at(out.data_ptr() + out.nbytes // 2) >= 2048
 
 
+@needs_madvise
+def test_off_leaves_caches_alone(monkeypatch):
+    monkeypatch.setenv("DSATTN_HUGE_PAGES", "off")
+    t = memory.cache_zeros(BIG, dtype=torch.uint8)
+    assert _huge_kb_at(t.data_ptr() + BIG // 2) == 0
+
+
 def test_the_switch_is_checked(monkeypatch):
-    monkeypatch.setenv("DSATTN_HUGE_PAGES", "yes")
-    with pytest.raises(ValueError, match="DSATTN_HUGE_PAGES"):
-        memory.empty_output(16 << 20, dtype=torch.uint8, device="cpu")
-    monkeypatch.setenv("DSATTN_HUGE_PAGES", "0")
-    assert not memory.advise_huge_pages(torch.empty(16 << 20, dtype=torch.uint8))
+    monkeypatch.setenv("DSATTN_HUGE_PAGES", "1")
+    with pytest.raises(ValueError, match="DSATTN_HUGE_PAGES: expected one of off, caches, outputs"):
+        memory.empty_output(4, dtype=torch.uint8, device="cpu")
