@@ -30,6 +30,7 @@ import torch
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 8 << 20            # smaller blocks: few faults, and often reused heap memory already
 MADV_HUGEPAGE = 14             # <sys/mman.h> on Linux
+MODES = ("off", "caches", "outputs")
 
 _madvise = None
 
@@ -48,9 +49,6 @@ def _libc_madvise():
                 fn = False
         _madvise = fn
     return _madvise
-
-
-MODES = ("off", "caches", "outputs")
 
 
 def mode() -> str:
