@@ -187,6 +187,13 @@ def test_native_rejects_rows_out_of_range(native_module):
     want_o, want_l = module.sparse_attention_forward(q, [src], [ok], None, 1.0)
     assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse.data_ptr()
     assert torch.equal(out, want_o) and torch.equal(lse, want_l)
+    # the backward's dq: checked, and written in place when given
+    dout = torch.randn_like(q)
+    grad = lambda **kw: module.sparse_attention_backward(q, dout, want_o, want_l, [src], [ok], None, 1.0, **kw)  # noqa: E731
+    with pytest.raises(RuntimeError, match="dq: expected"):
+        grad(dq=torch.empty(2, 4, 32))
+    dq = torch.full_like(q, float("nan"))
+    assert grad(dq=dq)[0].data_ptr() == dq.data_ptr() and torch.equal(dq, grad()[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])

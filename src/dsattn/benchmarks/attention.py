@@ -11,7 +11,7 @@ import torch
 from .. import native, ops, reference
 from ..common.softmax import set_flash_attention
 from . import workloads
-from .harness import REUSED_PAGES_ENV, Result, current_rss_mb, measure_ceilings, peak_rss_growth_mb, timeit
+from .harness import Result, current_rss_mb, measure_ceilings, peak_rss_growth_mb, reused_pages_result, timeit
 
 SCEN = {1: "SWA", 4: "CSA", 128: "HCA"}
 # a decode call takes milliseconds, and its first calls after the inputs are built run slower (caches, the
@@ -191,20 +191,6 @@ def reused_pages_run(L: int, ratio: int, calls: int = 3) -> dict:
     _fwd(q, kw)
     return {"seconds": timeit(lambda: _fwd(q, kw), repeat=calls), "base_rss_mb": current_rss_mb(),
             "gflop": flops / 1e9}
-
-
-def reused_pages_result(family: str, name: str, module: str, func: str, kwargs: dict) -> Result:
-    """The default path timed in a fresh process whose freed memory stays in its heap (no page faults
-    on fresh outputs)."""
-    r = peak_rss_growth_mb(module, func, kwargs, env=REUSED_PAGES_ENV)
-    variant = "dsattn (default), outputs on reused pages"
-    if "error" in r:
-        return Result(family, name, variant, float("nan"), note=f"failed: {r['error']}")
-    return Result(family, name, variant, r["seconds"], r["gflop"],
-                  note="fresh process with glibc's mmap_threshold and trim_threshold raised to 4 GiB "
-                       "(GLIBC_TUNABLES): freed memory stays in the heap, so a call's fresh "
-                       "outputs reuse the pages the last call freed, as with a pooling allocator; median of 3 calls "
-                       "after a first" + (f"; {r['note']}" if r.get("note") else ""))
 
 
 def run(smoke: bool = False, results=None) -> list[Result]:

@@ -97,6 +97,20 @@ def peak_rss_growth_mb(module: str, func: str, kwargs: dict, timeout: int = 1800
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def reused_pages_result(family: str, name: str, module: str, func: str, kwargs: dict) -> Result:
+    """The default path timed in a fresh process whose freed memory stays in its heap (no page faults
+    on fresh outputs)."""
+    r = peak_rss_growth_mb(module, func, kwargs, env=REUSED_PAGES_ENV)
+    variant = "dsattn (default), outputs on reused pages"
+    if "error" in r:
+        return Result(family, name, variant, float("nan"), note=f"failed: {r['error']}")
+    return Result(family, name, variant, r["seconds"], r["gflop"],
+                  note="fresh process with glibc's mmap_threshold and trim_threshold raised to 4 GiB "
+                       "(GLIBC_TUNABLES): freed memory stays in the heap, so a call's fresh "
+                       "outputs reuse the pages the last call freed, as with a pooling allocator; median of 3 calls "
+                       "after a first" + (f"; {r['note']}" if r.get("note") else ""))
+
+
 def current_rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20

@@ -9,7 +9,7 @@ from .. import native, ops, reference
 from ..quant.rows import pack_kv_rows, quantize_kv_rows
 from ..quant.block import quantize_tiles
 from . import workloads
-from .harness import Result, timeit, peak_rss_growth_mb
+from .harness import Result, peak_rss_growth_mb, reused_pages_result, timeit
 
 
 def _indexer_decode(B=32, ctx=131072, heads=64, dim=128, topk=512, seed=0):
@@ -133,7 +133,6 @@ def backward(smoke=False, results=None):
     if native.kernels() is not None and not smoke:      # the PyTorch path the compiled kernels replace
         with native.suspended():
             step("PyTorch path (DSATTN_NATIVE=0)")
-        from .attention import reused_pages_result
         results.append(reused_pages_result("backward", name, "dsattn.benchmarks.others", "training_step_run",
                                            {"L": L}))
     return results

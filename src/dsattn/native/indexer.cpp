@@ -299,8 +299,7 @@ class RunningTopK {
     const bool open = bar_ == ~uint64_t(0);
     const float bv = order_value(bar_);
     uint64_t* out = cand_.data();
-    static const Enter enter_keys = enter();
-    size_ += enter_keys(scores, count, first, bv, open, out + size_);   // size_ < 2 k: room for count <= CHUNK more
+    size_ += enter()(scores, count, first, bv, open, out + size_);   // size_ < 2 k: room for count <= CHUNK more
     if (size_ >= size_t(2 * k_) || (open && size_ >= size_t(k_))) {   // back to the best k; the k-th is the new bar
       bar_ = kth_smallest(out, size_, k_, tmp_.data());
       size_ = keep_up_to(out, size_, bar_);
@@ -409,9 +408,8 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
       int64_t most = 0;
       for (int64_t t = r0; t < r1; ++t) most = std::max(most, np[t]), best[t - r0].reset();
       const int64_t b = bp[r0];
-      const bool direct = std::is_same_v<scalar_t, mm_t> && D == Dp;   // q rows are A as they lie
       if (panels.empty()) panels.resize(KEY_BLOCK * Dp);
-      if (!direct && qa.empty()) qa.resize(H * Dp, mm_t(0));
+      if (!rows_direct && qa.empty()) qa.resize(H * Dp, mm_t(0));   // (else q rows are A as they lie)
       for (int64_t kb0 = 0; kb0 < most;) {
         // this block's chunks (each within one page, w <= CHUNK keys padded to 16), packed one after another
         chunk_at.clear(), chunk_n.clear();
@@ -431,7 +429,7 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
           const int64_t count = np[t];
           if (count <= kb0) continue;
           const mm_t* a = reinterpret_cast<const mm_t*>(qp + t * H * D);
-          if (!direct) {
+          if (!rows_direct) {
             for (int64_t h = 0; h < H; ++h)
               for (int64_t d = 0; d < D; ++d) qa[h * Dp + d] = static_cast<mm_t>(qp[(t * H + h) * D + d]);
             a = qa.data();
