@@ -349,9 +349,15 @@ def test_backward_kernel_matches_the_golden(layout, ratio, dtype, backward_launc
 
 
 def test_backward_fuzz_through_the_kernel(backward_launches, triton_backend):
+    """Fuzz configurations against the golden gradient, 10 seeds at a time until the kernel has run
+    (about a quarter of them reach it; fp32 ones keep the PyTorch path): 10 seeds alone missed it
+    about once in 16 runs."""
     base = _seed() % 10**6
-    rep = fuzz.check_seeds("mla", range(base, base + 10))
-    assert not rep.failures, "\n".join(rep.failures)
+    for start in range(base, base + 40, 10):
+        rep = fuzz.check_seeds("mla", range(start, start + 10))
+        assert not rep.failures, "\n".join(rep.failures)
+        if backward_launches:
+            break
     assert backward_launches
 
 
