@@ -99,3 +99,93 @@ def test_infinite_sinks(fn):
     for g in grads[:4]:
         assert torch.isfinite(g).all()
     assert torch.equal(grads[0][:, :, 0], torch.zeros_like(grads[0][:, :, 0]))  # the +inf head: no gradient
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("path", ["default", "torch", "triton"])
+def test_sink_grid_on_rows_with_and_without_keys(path, dtype, gen, monkeypatch):
+    """00 §9 / §12 on {row without a key, row with keys} x {+inf, -inf, finite sink}, on each forward
+    path: a row without a key gets out 0, LSE 0 whatever its sink; with keys, a +inf sink gives out 0
+    and LSE +inf, a -inf sink is no sink, a finite one the golden's value.  Never a NaN."""
+    from dsattn.sparse_mla import fast
+    if path == "torch":
+        monkeypatch.setattr(fast, "native_sources", lambda P: None)
+    elif path == "triton":
+        monkeypatch.setenv("DSATTN_BACKEND", "triton")
+    H, D = 3, 32
+    q = torch.randn(12, H, D, generator=gen).to(dtype)
+    kv = torch.randn(30, 1, D, generator=gen).to(dtype)
+    kv[0:10] = NAN                                         # batch 0's keys: its length is 0, never read
+    kv[27:] = NAN                                          # past batch 2's length
+    kw = dict(ori_kv=kv, cu_seqlens_q=i32(0, 4, 9, 12), cu_seqlens_ori_kv=i32(0, 10, 20, 30),
+              seqused_ori_kv=i32(0, 10, 7), softmax_scale=0.2, ori_mask_mode=4, ori_win_left=5, layout_q="TND",
+              layout_kv="TND", return_softmax_lse=True)
+    sinks = torch.tensor([INF, -INF, 0.5])
+    out, lse = ops.sparse_flash_mla(q, sinks=sinks, **kw)
+    plain, plain_lse = ops.sparse_flash_mla(q, **kw)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out[:4], torch.zeros_like(out[:4])) and torch.equal(lse[0, :4], torch.zeros_like(lse[0, :4]))
+    assert torch.equal(out[4:, 0], torch.zeros_like(out[4:, 0])) and bool((lse[0, 4:, 0] == INF).all())
+    assert testing.compare(out[:, 1], plain[:, 1]) and testing.fp32_math_close(lse[..., 1], plain_lse[..., 1])
+    want, want_lse = reference.sparse_flash_mla(q, sinks=sinks, compute_dtype=torch.float64,
+                                                emulate_rounding=dtype != torch.float32, **kw)
+    close = testing.fp32_math_close if dtype == torch.float32 else testing.compare
+    assert close(out, want) and testing.fp32_math_close(lse, want_lse)
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 128])
+def test_sink_grid_through_split_kv_plans(ratio, gen):
+    """sparse_attn_sharedkv whose rows are split across cores (the partials merged, the sink added once
+    in the merge): the same grid, against the golden."""
+    from dsattn import cases
+    c = cases.sharedkv_case("TND", ratio, torch.bfloat16, paged=True, seed=int(torch.randint(0, 2**31 - 1, (),
+                            generator=gen)), H=16, lengths=[(3, 1500), (0, 700), (2, 1030)], window=1200)
+    sinks = torch.randn(16, generator=gen)
+    sinks[0], sinks[1] = INF, -INF
+    c.kwargs["sinks"] = c.extra["mla_kwargs"]["sinks"] = sinks
+    want, _ = reference.sparse_flash_mla(c.q, **c.extra["mla_kwargs"])
+    m = cases.sharedkv_plan(c, ratio, 24, True)
+    out, _ = ops.sparse_attn_sharedkv(c.q, metadata=m, **c.kwargs)
+    assert not out.isnan().any() and torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
+    assert testing.split_row_close(out, want)
+
+
+def test_sink_grid_in_the_merge():
+    """merge_attention_states: partials with and without keys under +inf / -inf / finite sinks."""
+    from dsattn.serving import merge_attention_states
+    o1, o2 = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    l1 = torch.tensor([[0.3, 1.0, -0.2], [0.0, 0.0, 0.0]])
+    l2 = torch.tensor([[1.1, -0.5, 0.4], [0.0, 0.0, 0.0]])
+    valid = [torch.tensor([[True] * 3, [False] * 3])] * 2                # row 1: no partial saw a key
+    sinks = torch.tensor([INF, -INF, 0.5])
+    out, lse = merge_attention_states([o1, o2], [l1, l2], sinks=sinks, valid=valid)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(lse[1], torch.zeros_like(lse[1]))
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0])) and lse[0, 0] == INF
+    both = torch.logaddexp(l1[0], l2[0])
+    mixed = (torch.exp(l1[0] - both)[:, None] * o1[0] + torch.exp(l2[0] - both)[:, None] * o2[0])
+    assert torch.allclose(out[0, 1], mixed[1], atol=1e-6) and torch.allclose(lse[0, 1], both[1])
+    total = torch.logaddexp(both[2], sinks[2])
+    assert torch.allclose(out[0, 2], mixed[2] * torch.exp(both[2] - total), atol=1e-6)
+    assert torch.allclose(lse[0, 2], total)
+
+
+def test_sink_grid_in_kv_quant_attention():
+    """kv_quant_sparse_flash_attention returns (softmax_max, softmax_sum): a +inf sink gives out 0 and
+    sum +inf on rows with keys; rows without a key get 0 / 0 whatever the sink."""
+    from dsattn import cases
+    c = cases.qsfa_case("TND", "PA_BSND", torch.bfloat16, sinks=True, seed=int(torch.randint(0, 2**31 - 1, ())))
+    c.kwargs["sinks"] = torch.tensor([INF, -INF, 0.5, 1.0])
+    key, idx = c.extra["key"], c.extra["sparse_indices"]
+    out, mx, sm = ops.kv_quant_sparse_flash_attention(c.q, key, key, idx, **c.kwargs)[:3]
+    want, want_mx, want_sm = reference.kv_quant_sparse_flash_attention(c.q, key, key, idx, **c.kwargs)[:3]
+    assert not (out.isnan().any() or mx.isnan().any() or sm.isnan().any())
+    has_key = want_sm[0, :, 1] > 0                                      # head 1 (-inf sink): keys only
+    assert bool(has_key.any()) and bool((~has_key).any())
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
+    assert bool((sm[0, has_key, 0] == INF).all()) and bool((sm[0, ~has_key] == 0).all())
+    assert bool((mx[0, ~has_key] == 0).all())
+    assert testing.compare(out, want) and testing.fp32_math_close(mx, want_mx) and testing.nonfinite_match(sm, want_sm)

@@ -16,8 +16,10 @@ FlashMLA's ``flash_mla/flash_mla_interface.py``; its conventions hold at this bo
 The attention itself is ``torch.ops.dsattn.sparse_flash_mla``: for sparse calls, each query row is
 one batch of a TND call whose keys are its own gathered tokens (ori branch, mask mode 0, length =
 its valid slots), computed in float32 and rounded once to the query dtype after the sink; for
-dense decode the paged cache goes to the operator as it is (causal: ori mask mode 3).  Rows are
-processed in blocks within a memory budget; nothing reads device data on the host except the
+dense decode the paged cache goes to the operator as it is (causal: ori mask mode 3), one call per
+KV head with its group of query heads when the cache has several (FlashMLA's grouping: query head
+``i`` reads KV head ``i // (h_q / h_kv)``).  Rows are processed in blocks within a memory budget;
+nothing reads device data on the host except the
 content checks (indices within the pool), which ``dsattn.set_content_checks(False)`` and CUDA
 graph capture skip.  The scheduling object is kept for API compatibility: dsattn needs no plan
 here, but it records the first call's configuration and rejects an inconsistent reuse, as
@@ -73,11 +75,15 @@ def _lse_fill_empty(lse: torch.Tensor, has_key: torch.Tensor) -> torch.Tensor:
     return torch.where(has_key, lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
 
 
-def _apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
-    """FlashMLA's sink: ``out · exp(lse) / (exp(lse) + exp(sink)) = out / (1 + exp(sink - lse))``."""
-    if sink is None:
-        return out
-    return out / (1.0 + torch.exp(sink.float() - lse))[..., None]
+def _apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None,
+                has_key: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's sink: ``out · exp(lse) / (exp(lse) + exp(sink)) = out / (1 + exp(sink - lse))``
+    (a ``+inf`` sink takes all the weight: out 0; ``-inf`` none), and out 0 for a query without a
+    valid key whatever its sink (``has_key [n, 1]``): there ``lse`` is ``+inf`` and ``sink - lse``
+    would be NaN for a ``+inf`` sink."""
+    if sink is not None:
+        out = out / (1.0 + torch.exp(sink.float() - lse))[..., None]
+    return torch.where(has_key[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def _compact(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +209,7 @@ def _sparse_decode(q, scopes, head_dim_v, scale, attn_sink):
         valid = torch.cat([v for _, v in parts], 1)
         o, l, _, has = _attend_gathered(qf[r0:r1], keys, valid, scale, want_max=False)
         l = _lse_fill_empty(l, has)
-        out[r0:r1] = _apply_sink(o[..., :head_dim_v], l, attn_sink).to(q.dtype)
+        out[r0:r1] = _apply_sink(o[..., :head_dim_v], l, attn_sink, has).to(q.dtype)
         lse[r0:r1] = l
     return out.view(b, s_q, h, head_dim_v), lse.view(b, s_q, h).transpose(1, 2)
 
@@ -213,7 +219,15 @@ def _dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, cau
     if block_table is None or cache_seqlens is None:
         fail("block_table" if block_table is None else "cache_seqlens",
              "is required for dense attention (indices is None)")
+    if k_cache.dim() != 4:
+        fail("k_cache", f"expected (num_blocks, page_block_size, num_heads_k, head_dim), got {tuple(k_cache.shape)}")
+    h_kv = k_cache.size(2)
+    if h_kv < 1 or h % h_kv:
+        fail("k_cache", f"num_heads_k {h_kv} must divide q's num_heads_q {h} (query heads are grouped over the "
+             "KV heads)")
     if fp8:                          # the V3.2 layout read token by token: the same call as a sparse one
+        if h_kv != 1:
+            fail("k_cache", f"an FP8 cache holds one KV head; num_heads_k must be 1, got {h_kv}")
         bs = k_cache.size(1)
         W = block_table.size(1) * bs
         pos = torch.arange(W, device=q.device)
@@ -226,14 +240,23 @@ def _dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, cau
         return _sparse_decode(q, [scope], head_dim_v, scale, None)
     if k_cache.dtype != q.dtype:
         fail("k_cache", f"dtype {k_cache.dtype} does not match q's {q.dtype}", TypeError)
-    out, lse = ops.sparse_flash_mla(q, ori_kv=k_cache, ori_block_table=block_table, seqused_ori_kv=cache_seqlens,
-                                    softmax_scale=scale, ori_mask_mode=3 if causal else 0, layout_q="BSND",
-                                    layout_kv="PA_BBND", return_softmax_lse=True)
+    # FlashMLA groups the query heads over the KV heads (query head i reads KV head i // (h_q / h_kv));
+    # the operator takes one KV head, so each KV head is one call with its group of query heads
+    g = h // h_kv
+    out = torch.empty(b, s_q, h, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
+    for j in range(h_kv):
+        o, l = ops.sparse_flash_mla(q[:, :, j * g:(j + 1) * g], ori_kv=k_cache[:, :, j:j + 1],
+                                    ori_block_table=block_table, seqused_ori_kv=cache_seqlens, softmax_scale=scale,
+                                    ori_mask_mode=3 if causal else 0, layout_q="BSND", layout_kv="PA_BBND",
+                                    return_softmax_lse=True)
+        out[:, :, j * g:(j + 1) * g] = o[..., :head_dim_v]
+        lse[:, :, j * g:(j + 1) * g] = l[:, 0]                                      # [b, N2=1, s_q, g]
     n_keys = cache_seqlens.to(torch.int64)[:, None].expand(b, s_q)
     if causal:
         n_keys = (n_keys - (s_q - 1 - torch.arange(s_q, device=q.device))[None]).clamp(min=0)
-    lse = _lse_fill_empty(lse[:, 0], (n_keys > 0)[..., None])                      # [b, s_q, h]
-    return out[..., :head_dim_v].contiguous(), lse.transpose(1, 2)
+    lse = _lse_fill_empty(lse, (n_keys > 0)[..., None])                            # [b, s_q, h]
+    return out, lse.transpose(1, 2)
 
 
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: Optional[torch.Tensor],
@@ -349,7 +372,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         keys = kv[torch.where(valid, x, torch.zeros_like(x)), 0].float().masked_fill(~valid[..., None], 0.0)
         o, l, m, has = _attend_gathered(q[r0:r1], keys, valid, float(sm_scale), want_max=True)
         l = _lse_fill_empty(l, has)
-        out[r0:r1] = _apply_sink(o[..., :d_v], l, attn_sink).to(q.dtype)
+        out[r0:r1] = _apply_sink(o[..., :d_v], l, attn_sink, has).to(q.dtype)
         lse[r0:r1] = l
         mx[r0:r1] = m
     return out, mx, lse
