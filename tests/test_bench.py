@@ -17,6 +17,9 @@ def test_every_family_smoke_matches_golden():
     assert checks and all(checks.values()), checks
     text = runner.markdown(ceil, results, "dsattn bench --smoke")
     assert "Command: `dsattn bench --smoke`" in text and "| attention |" in text
+    decode = [r for r in results if r.family == "attention" and "decode" in r.workload and r.variant == runner.BASE]
+    assert decode and all(r.bytes > 0 and r.roofline(ceil) is not None for r in decode)
+    assert " % (memory) |" in text or " % (compute) |" in text
 
 
 def test_bench_script_runs(tmp_path):

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     p.set_defaults(fn=_plan)
     bn = sub.add_parser("bench", help="CPU benchmarks: ceilings, every family's workloads, RESULTS.md")
     bn.add_argument("--family", action="append",
-                    choices=("attention", "indexer", "backward", "kv_quant", "planner", "gpu"),
+                    choices=("attention", "indexer", "backward", "kv_quant", "planner", "flashmla", "gpu"),
                     help="run only this family (repeatable); gpu: the Triton kernels (--static: the AOT compile "
                          "table)")
     bn.add_argument("--static", action="store_true", help="with --family gpu: compile for GPU targets, no GPU needed")

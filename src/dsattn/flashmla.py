@@ -7,21 +7,23 @@ FlashMLA's ``flash_mla/flash_mla_interface.py``; its conventions hold at this bo
   (``max_logits`` ``-inf``); the sink scales the output by ``exp(lse) / (exp(lse) + exp(sink))``
   (``+inf`` -> out 0, ``-inf`` -> no effect);
 * index lists hold flat pool indices ``block · page_block_size + offset`` (decode) or key rows
-  (prefill); -1 masks that one slot (dsattn's operators end a list at -1: the lists are compacted,
-  stably, before they reach the operator), and so does any slot at or past ``topk_length``;
+  (prefill); -1 masks that one slot, and so does any slot at or past ``topk_length`` (the kernels
+  skip each such slot; dsattn's operators would end a list at its first -1);
 * the value is the first ``head_dim_v`` / ``d_v`` columns of the key (576 / 512 for V3.2);
 * FP8 caches in FlashMLA's V3.2 (656-byte) and V4 (584-byte) layouts are read directly, dequantising
   only the tokens a query reads (:mod:`dsattn.quant.flashmla`).
 
-The attention itself is ``torch.ops.dsattn.sparse_flash_mla``: for sparse calls, each query row is
-one batch of a TND call whose keys are its own gathered tokens (ori branch, mask mode 0, length =
-its valid slots), computed in float32 and rounded once to the query dtype after the sink; for
-dense decode the paged cache goes to the operator as it is (causal: ori mask mode 3), one call per
-KV head with its group of query heads when the cache has several (FlashMLA's grouping: query head
-``i`` reads KV head ``i // (h_q / h_kv)``).  Rows are processed in blocks within a memory budget;
-nothing reads device data on the host except the
-content checks (indices within the pool), which ``dsattn.set_content_checks(False)`` and CUDA
-graph capture skip.  The scheduling object is kept for API compatibility: dsattn needs no plan
+Sparse calls run :func:`dsattn.sparse_mla.rows.attend_rows`, the kernels of ``sparse_flash_mla``
+over each query's own list of tokens: the compiled CPU kernel reads the listed tokens of a bf16 /
+fp16 cache in place (no gathered copy), the Triton kernel on CUDA; an FP8 cache has only the listed
+tokens dequantised, block of rows by block.  The numerics are the operators' (fp32 scores and
+softmax, P rounded to the query dtype before P·V, as FlashMLA's kernels do too); the sink enters the
+output's normaliser, the LSE leaves it out.  For dense decode the paged cache goes to
+``sparse_flash_mla`` as it is (causal: ori mask mode 3), one call per KV head with its group of
+query heads when the cache has several (FlashMLA's grouping: query head ``i`` reads KV head
+``i // (h_q / h_kv)``).  Nothing reads device data on the host except the content checks (indices
+within the pool), which ``dsattn.set_content_checks(False)`` and CUDA graph capture skip.  The
+scheduling object is kept for API compatibility: dsattn needs no plan
 here, but it records the first call's configuration and rejects an inconsistent reuse, as
 FlashMLA does.
 """
@@ -35,10 +37,11 @@ import torch
 from . import ops
 from .common.checks import check_tensor, content_checks_enabled, fail, host_ints
 from .quant.flashmla import dequantize_tokens, layout_of
+from .sparse_mla.rows import attend_rows
 
 __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd"]
 
-GATHER_BUDGET = 64 << 20          # bytes of gathered float32 keys per block of query rows
+DECODE_BUDGET = 64 << 20          # bytes of FP8 tokens dequantised per block of query rows
 
 
 @dataclasses.dataclass
@@ -75,51 +78,8 @@ def _lse_fill_empty(lse: torch.Tensor, has_key: torch.Tensor) -> torch.Tensor:
     return torch.where(has_key, lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
 
 
-def _apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None,
-                has_key: torch.Tensor) -> torch.Tensor:
-    """FlashMLA's sink: ``out · exp(lse) / (exp(lse) + exp(sink)) = out / (1 + exp(sink - lse))``
-    (a ``+inf`` sink takes all the weight: out 0; ``-inf`` none), and out 0 for a query without a
-    valid key whatever its sink (``has_key [n, 1]``): there ``lse`` is ``+inf`` and ``sink - lse``
-    would be NaN for a ``+inf`` sink."""
-    if sink is not None:
-        out = out / (1.0 + torch.exp(sink.float() - lse))[..., None]
-    return torch.where(has_key[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
-def _compact(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable order of the slots putting valid ones first, and the count of valid slots per row."""
-    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices
-    return order, valid.sum(-1)
-
-
-def _attend_gathered(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float, want_max: bool):
-    """Rows ``q [n, h, d]`` over their own keys ``keys [n, W, d]`` (float32), ``valid [n, W]``:
-    ``(out [n, h, d] fp32, lse [n, h] without sink (0 for rows without a key), max [n, h] or None,
-    has_key [n, 1])`` through ``sparse_flash_mla`` (one TND batch per row)."""
-    n, W, d = keys.shape
-    order, count = _compact(valid)
-    keys = torch.gather(keys, 1, order[..., None].expand(n, W, d))
-    dev = q.device
-    cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
-    cu_kv = torch.arange(0, n * W + 1, W, dtype=torch.int32, device=dev) if W else torch.zeros(n + 1, dtype=torch.int32,
-                                                                                             device=dev)
-    out, lse = ops.sparse_flash_mla(q.float(), ori_kv=keys.reshape(n * W, 1, d), cu_seqlens_q=cu_q,
-                                    cu_seqlens_ori_kv=cu_kv, seqused_ori_kv=count.to(torch.int32),
-                                    softmax_scale=scale, ori_mask_mode=0, layout_q="TND", layout_kv="TND",
-                                    return_softmax_lse=True)
-    lse = lse[0]                                                     # [N2=1, T, G] -> [n, h]
-    has_key = (count > 0)[:, None]
-    mx = None
-    if want_max:                                                     # FlashMLA's max_logits
-        s = scale * torch.einsum("nhd,nwd->nhw", q.float(), keys)
-        live = (torch.arange(W, device=dev)[None] < count[:, None])[:, None, :]
-        mx = torch.where(live, s, torch.full((), float("-inf"), device=dev)).amax(-1) if W else \
-            torch.full(lse.shape, float("-inf"), device=dev)
-    return out, lse, mx, has_key
-
-
-def _rows_per_block(W: int, d: int) -> int:
-    return max(1, GATHER_BUDGET // max(1, W * d * 4 * 3))
+def _rows_per_block(W: int, d: int, itemsize: int) -> int:
+    return max(1, DECODE_BUDGET // max(1, W * d * itemsize))
 
 
 def _check_flat_indices(name: str, idx: torch.Tensor, lead: tuple, pool: int) -> None:
@@ -179,39 +139,55 @@ class _Scope:
         self.len = None if lengths is None else lengths.repeat_interleave(s_q)
         self.K = self.idx.size(-1)
 
-    def gather(self, r0: int, r1: int, d: int):
-        """Keys ``[r, K, d]`` (float32, zero at invalid slots) and the valid mask ``[r, K]``."""
-        idx = self.idx[r0:r1].to(torch.int64)
+    def table(self) -> torch.Tensor:
+        """Flat pool indices ``[b·s_q, K]`` int64, -1 at every invalid slot (-1 listed, or at / past
+        ``topk_length``)."""
+        idx = self.idx.to(torch.int64)
         valid = idx >= 0
         if self.len is not None:
-            valid &= torch.arange(self.K, device=idx.device)[None] < self.len[r0:r1, None]
-        safe = torch.where(valid, idx, torch.zeros_like(idx))
+            valid &= torch.arange(self.K, device=idx.device)[None] < self.len[:, None]
+        return torch.where(valid, idx, torch.full((), -1, dtype=torch.int64, device=idx.device))
+
+    def source(self, table: torch.Tensor, dtype: torch.dtype):
+        """``(key rows, their table)`` for the rows of ``table``: a bf16 / fp16 cache as it lies (the
+        kernel reads the listed tokens in place); an FP8 cache's listed tokens dequantised to
+        ``dtype`` (only those), numbered in order."""
+        if not self.fp8:
+            return self.cache, table
+        valid = table >= 0
+        safe = torch.where(valid, table, torch.zeros_like(table))
         blk, off = torch.div(safe, self.bs, rounding_mode="floor"), safe % self.bs
-        if self.fp8:
-            keys = dequantize_tokens(self.cache, self.layout, blk, off, torch.float32)
-        else:
-            keys = self.cache[blk, off, 0].float()
-        return keys.masked_fill(~valid[..., None], 0.0), valid
+        keys = dequantize_tokens(self.cache, self.layout, blk, off, dtype)            # [r, K, d]
+        seq = torch.arange(table.numel(), device=table.device).view(table.shape)
+        return keys, torch.where(valid, seq, torch.full((), -1, dtype=seq.dtype, device=seq.device))
+
+
+def _attend(q, scopes_or_sources, scale, sinks, want_max=False):
+    """``q [r, h, d]`` over ``[(key rows, table)]``: FlashMLA's results ``(out [r, h, d] q dtype, lse
+    [r, h] without the sink, +inf without a key, max or None)``."""
+    sources = [src for src, _ in scopes_or_sources]
+    tables = [t for _, t in scopes_or_sources]
+    out, lse, mx = attend_rows(q, sources, tables, scale=scale, sinks=sinks, sink_in_lse=False, want_max=want_max)
+    has_key = torch.cat([t >= 0 for t in tables], 1).any(1, keepdim=True)
+    return out, _lse_fill_empty(lse, has_key), mx
 
 
 def _sparse_decode(q, scopes, head_dim_v, scale, attn_sink):
     b, s_q, h, d = q.shape
     R = b * s_q
     qf = q.reshape(R, h, d)
-    W = sum(sc.K for sc in scopes)
-    out = torch.empty(R, h, head_dim_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(R, h, dtype=torch.float32, device=q.device)
-    step = _rows_per_block(W, d)
-    for r0 in range(0, R, step):
-        r1 = min(R, r0 + step)
-        parts = [sc.gather(r0, r1, d) for sc in scopes]
-        keys = torch.cat([k for k, _ in parts], 1)
-        valid = torch.cat([v for _, v in parts], 1)
-        o, l, _, has = _attend_gathered(qf[r0:r1], keys, valid, scale, want_max=False)
-        l = _lse_fill_empty(l, has)
-        out[r0:r1] = _apply_sink(o[..., :head_dim_v], l, attn_sink, has).to(q.dtype)
-        lse[r0:r1] = l
-    return out.view(b, s_q, h, head_dim_v), lse.view(b, s_q, h).transpose(1, 2)
+    tables = [sc.table() for sc in scopes]
+    if not any(sc.fp8 for sc in scopes):          # one call: the kernel reads the listed tokens in place
+        out, lse, _ = _attend(qf, [sc.source(t, q.dtype) for sc, t in zip(scopes, tables)], scale, attn_sink)
+    else:                                         # blocks of rows, their tokens dequantised as read
+        out = torch.empty(R, h, d, dtype=q.dtype, device=q.device)
+        lse = torch.empty(R, h, dtype=torch.float32, device=q.device)
+        step = _rows_per_block(sum(t.size(1) for t in tables), d, q.element_size())
+        for r0 in range(0, R, step):
+            r1 = min(R, r0 + step)
+            out[r0:r1], lse[r0:r1], _ = _attend(qf[r0:r1], [sc.source(t[r0:r1], q.dtype) for sc, t in
+                                                             zip(scopes, tables)], scale, attn_sink)
+    return out[..., :head_dim_v].reshape(b, s_q, h, head_dim_v), lse.view(b, s_q, h).transpose(1, 2)
 
 
 def _dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, causal, fp8):
@@ -358,21 +334,10 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     _check_lengths("topk_length", topk_length, (s_q,), K)
     s_kv = kv.size(0)
     idx = indices[:, 0].to(torch.int64)
-    out = torch.empty(s_q, h_q, d_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    mx = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    slot = torch.arange(K, device=q.device)[None]
-    step = _rows_per_block(K, d)
-    for r0 in range(0, s_q, step):
-        r1 = min(s_q, r0 + step)
-        x = idx[r0:r1]
-        valid = (x >= 0) & (x < s_kv)
-        if topk_length is not None:
-            valid &= slot < topk_length[r0:r1, None]
-        keys = kv[torch.where(valid, x, torch.zeros_like(x)), 0].float().masked_fill(~valid[..., None], 0.0)
-        o, l, m, has = _attend_gathered(q[r0:r1], keys, valid, float(sm_scale), want_max=True)
-        l = _lse_fill_empty(l, has)
-        out[r0:r1] = _apply_sink(o[..., :d_v], l, attn_sink, has).to(q.dtype)
-        lse[r0:r1] = l
-        mx[r0:r1] = m
+    valid = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        valid &= torch.arange(K, device=q.device)[None] < topk_length[:, None]
+    table = torch.where(valid, idx, torch.full((), -1, dtype=torch.int64, device=q.device))
+    out, lse, mx = _attend(q, [(kv, table)], float(sm_scale), attn_sink, want_max=True)
+    out = out[..., :d_v].contiguous()
     return out, mx, lse

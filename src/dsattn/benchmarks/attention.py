@@ -27,16 +27,17 @@ def _fwd(q, kw):
     return ops.sparse_flash_mla(q, **kw)[0]
 
 
-def _both_paths(family, name, q, kw, flops, repeat, results) -> Result:
+def _both_paths(family, name, q, kw, flops, repeat, results, nbytes: float = 0.0) -> Result:
     """The default (golden-rounding) path -- the compiled kernel where it is built --, the PyTorch
-    path it replaces, and the opt-in flash path, side by side; returns the default's row."""
+    path it replaces, and the opt-in flash path, side by side; returns the default's row.
+    ``nbytes``: the bytes the work must move (decode: :func:`workloads.decode_bytes`), for the roofline."""
     t = timeit(lambda: _fwd(q, kw), repeat=repeat)
-    default = Result(family, name, "dsattn (default)", t, flops / 1e9)
+    default = Result(family, name, "dsattn (default)", t, flops / 1e9, bytes=nbytes)
     results.append(default)
     if native.kernels() is not None:
         with native.suspended():
             t = timeit(lambda: _fwd(q, kw), repeat=repeat)
-        results.append(Result(family, name, "PyTorch path (DSATTN_NATIVE=0)", t, flops / 1e9))
+        results.append(Result(family, name, "PyTorch path (DSATTN_NATIVE=0)", t, flops / 1e9, bytes=nbytes))
     if EMULATED:
         return default
     set_flash_attention(True)
@@ -44,7 +45,7 @@ def _both_paths(family, name, q, kw, flops, repeat, results) -> Result:
         t = timeit(lambda: _fwd(q, kw), repeat=repeat)
     finally:
         set_flash_attention(False)
-    results.append(Result(family, name, "dsattn (flash opt-in)", t, flops / 1e9))
+    results.append(Result(family, name, "dsattn (flash opt-in)", t, flops / 1e9, bytes=nbytes))
     return default
 
 
@@ -200,7 +201,7 @@ def run(smoke: bool = False, results=None) -> list[Result]:
         from ..testing import compare
         for ratio in (4, 128):
             q, kw, flops, _ = workloads.decode(B=2, lo=300, hi=2000, seed=1, ratio=ratio)
-            _both_paths(fam, f"smoke decode {SCEN[ratio]} B2", q, kw, flops, 1, results)
+            _both_paths(fam, f"smoke decode {SCEN[ratio]} B2", q, kw, flops, 1, results, workloads.decode_bytes(q, kw))
             results[-2].extra["matches_golden"] = bool(compare(_fwd(q, kw), reference.sparse_flash_mla(q, **kw)[0]))
         q, kw, flops = workloads.prefill(192, ratio=4)
         _both_paths(fam, "smoke prefill CSA 192", q, kw, flops, 1, results)
@@ -211,7 +212,7 @@ def run(smoke: bool = False, results=None) -> list[Result]:
         for ratio in (4, 128):
             q, kw, flops, _ = workloads.decode(heads=heads, ratio=ratio, topk=topk)
             name = f"decode {SCEN[ratio]} V4-{model} B32 8K-128K"
-            default = _both_paths(fam, name, q, kw, flops, DECODE_CALLS, results)
+            default = _both_paths(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw))
             if ratio == 4:
                 default.note = read_floor_note(kw, q.size(0) * topk, flops, ceil)
             if not EMULATED:
@@ -222,7 +223,7 @@ def run(smoke: bool = False, results=None) -> list[Result]:
     for ratio in (4, 128):
         q, kw, flops, S2o = workloads.decode(ratio=ratio, fixed=65536, seed=2)
         name = f"decode {SCEN[ratio]} V4-Flash B32 @64K"
-        default = _both_paths(fam, name, q, kw, flops, DECODE_CALLS, results)
+        default = _both_paths(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw))
         if ratio == 4:
             default.note = read_floor_note(kw, q.size(0) * 512, flops, ceil)
         per_req = dense_masked_decode(q, kw, S2o)

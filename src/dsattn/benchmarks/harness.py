@@ -22,10 +22,20 @@ class Result:
     peak_mb: float | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
+    bytes: float = 0.0          # bytes the work must move at least (workloads.*_bytes), 0: not counted
 
     @property
     def gflops(self) -> float:
         return self.gflop / self.seconds if self.seconds > 0 else 0.0
+
+    def roofline(self, ceil: "Ceilings") -> tuple[float, str] | None:
+        """``(share of the roofline, its bound)``: the time at the roofline, ``max(FLOPs / the run's best
+        GEMM rate, bytes / the run's copy bandwidth)``, over the measured time; None without a byte count."""
+        if not self.bytes or not self.seconds == self.seconds or self.seconds <= 0:
+            return None
+        compute = self.gflop / max(ceil.bf16_gflops, ceil.fp32_gflops)
+        memory = self.bytes / 1e9 / ceil.copy_gbs
+        return max(compute, memory) / self.seconds, ("memory" if memory >= compute else "compute")
 
 
 def timeit(fn, *, repeat: int = 3, warmup: int = 1, budget_s: float = 60.0) -> float:

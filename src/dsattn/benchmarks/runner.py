@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from . import attention, others
+from . import attention, flashmla, others
 from .harness import Result, measure_ceilings
 
 FAMILIES = {"attention": attention.run, "indexer": others.indexer, "backward": others.backward,
-            "kv_quant": others.kv_quant, "planner": others.planner}
+            "kv_quant": others.kv_quant, "planner": others.planner, "flashmla": flashmla.run}
 BASE = "dsattn (default)"
 BASE_VARIANTS = (BASE, "dsattn", "dsattn fwd + grad", "dsattn (default): compiled planner",
                  "dsattn (default): NumPy fast planner")
@@ -47,12 +47,18 @@ def rows(ceil, results):
                f"{g:.1f}" if g else "-", f"{100 * g / ceil.bf16_gflops:.0f} %" if g else "-",
                f"{100 * g / ceil.fp32_gflops:.0f} %" if g else "-",
                f"{100 * g / max(ceil.bf16_gflops, ceil.fp32_gflops):.0f} %" if g else "-",
+               _roofline_cell(r, ceil),
                f"{sp[id(r)]:.1f}x" if sp[id(r)] else "", f"{r.peak_mb:.0f}" if r.peak_mb is not None else "",
                r.note + ("; " + ", ".join(f"{k}={v}" for k, v in r.extra.items()) if r.extra else "")]
 
 
 HEADER = ["family", "workload", "variant", "seconds", "GFLOP/s", "of bf16 peak", "of fp32 peak",
-          "of best ceiling", "dsattn default faster by", "peak RSS growth MB", "note"]
+          "of best ceiling", "of roofline", "dsattn default faster by", "peak RSS growth MB", "note"]
+
+
+def _roofline_cell(r: Result, ceil) -> str:
+    roof = r.roofline(ceil)
+    return f"{100 * roof[0]:.0f} % ({roof[1]})" if roof else "-"
 
 
 def markdown(ceil, results, command: str) -> str:

@@ -92,3 +92,24 @@ def prefill(L=8192, heads=64, ratio=4, topk=512, seed=0, dtype=torch.bfloat16):
             keys = keys + visible
     flops = 2 * heads * keys.sum().item() * 2 * D
     return q, kw, flops
+
+
+def row_bytes(kv: torch.Tensor) -> int:
+    """Bytes of one stored key row: its last dim (packed rows: bytes already)."""
+    return kv.size(-1) * kv.element_size()
+
+
+def decode_bytes(q: torch.Tensor, kw: dict) -> float:
+    """The bytes one decode step must move at least, for the roofline: every key row it reads (the
+    window's raw rows, up to 128 per request, and its compressed rows: the listed top-k for CSA,
+    every one for HCA) at its storage width, the queries read and the outputs written (as wide as
+    the queries).  Rows two requests share are counted per request (each reads them)."""
+    S2o = kw["seqused_ori_kv"].to(torch.int64)
+    rows = torch.clamp(S2o, max=WINDOW).sum().item() * row_bytes(kw["ori_kv"])
+    if "cmp_kv" in kw:
+        if "cmp_sparse_indices" in kw:
+            n = (kw["cmp_sparse_indices"] >= 0).sum().item()
+        else:
+            n = kw["seqused_cmp_kv"].to(torch.int64).sum().item()
+        rows += n * row_bytes(kw["cmp_kv"])
+    return float(rows + 2 * q.numel() * q.element_size())

@@ -226,6 +226,7 @@ struct RowAttention {
   int64_t H, D, Hp, Dp;
   float scale;
   const float* sinks;  // [H] or null
+  bool sink_in_lse = true;  // false: lse = m + log(l) without the sink (FlashMLA's convention)
 
   mm_t *keys, *ring, *q_b, *v_packed, *p;           // per-thread buffers (Workspace)
   float *s, *o, *m, *l, *inv;
@@ -348,12 +349,15 @@ struct RowAttention {
     }
   }
 
-  // One query row over its gathered keys -> out [H, D] (query dtype), lse [H].
-  void run(const scalar_t* q, const std::vector<const scalar_t*>& rows, scalar_t* out, float* lse) {
+  // One query row over its gathered keys -> out [H, D] (query dtype), lse [H]; row_max [H] (when not
+  // null): the maximum scaled score, without the sink (-inf for a row without a key).
+  void run(const scalar_t* q, const std::vector<const scalar_t*>& rows, scalar_t* out, float* lse,
+           float* row_max = nullptr) {
     const int64_t n = static_cast<int64_t>(rows.size());
     if (n == 0) {                                   // no key: O = 0, lse = 0
       std::fill(out, out + H * D, scalar_t(0));
       std::fill(lse, lse + H, 0.0f);
+      if (row_max != nullptr) std::fill(row_max, row_max + H, -std::numeric_limits<float>::infinity());
       return;
     }
     const int64_t npad = round_up(n, KEY_ALIGN);
@@ -371,6 +375,7 @@ struct RowAttention {
     } else {
       scale_and_max(s, n, Hp, scale, m);
     }
+    if (row_max != nullptr) std::copy(m, m + H, row_max);
     for (int64_t h = 0; h < Hp; ++h) {
       if (sinks != nullptr && h < H && std::isfinite(sinks[h])) m[h] = std::max(m[h], sinks[h]);
       if (!std::isfinite(m[h])) m[h] = 0.0f;
@@ -394,7 +399,7 @@ struct RowAttention {
     for (int64_t h = 0; h < H; ++h) {
       const float den = l[h] + (sinks != nullptr ? std::exp(sinks[h] - m[h]) : 0.0f);
       inv[h] = 1.0f / den;
-      lse[h] = m[h] + std::log(den);
+      lse[h] = m[h] + std::log(sink_in_lse ? den : l[h]);
     }
     store(inv, out);
   }
@@ -442,21 +447,23 @@ struct KeyTables {
 
 template <typename scalar_t, typename mm_t>
 void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows,
-                  const float* sinks, double scale, at::Tensor& out, at::Tensor& lse) {
+                  const float* sinks, double scale, bool sink_in_lse, at::Tensor& out, at::Tensor& lse,
+                  float* row_max) {
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const KeyTables<scalar_t> tables(sources, rows, D);
   const scalar_t* qp = q.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   float* lp = lse.data_ptr<float>();
   dsattn_native::parallel_rows(R, [&](int64_t r) { return tables.cost(r); }, [&](int64_t r0, int64_t r1) {
-    RowAttention<scalar_t, mm_t> work{H, D, round_up(H, 16), round_up(D, 16), static_cast<float>(scale), sinks};
+    RowAttention<scalar_t, mm_t> work{H, D, round_up(H, 16), round_up(D, 16), static_cast<float>(scale), sinks,
+                                      sink_in_lse};
     work.reserve(tables.npad_max(), /*whole_keys=*/!RowAttention<scalar_t, mm_t>::packed);
     std::vector<const scalar_t*> keys;
     keys.reserve(tables.width);
     for (int64_t r = r0; r < r1; ++r) {
       keys.clear();
       tables.each(r, [&](int, int64_t, const scalar_t* row) { keys.push_back(row); });
-      work.run(qp + r * H * D, keys, op + r * H * D, lp + r * H);
+      work.run(qp + r * H * D, keys, op + r * H * D, lp + r * H, row_max != nullptr ? row_max + r * H : nullptr);
     }
     if (RowAttention<scalar_t, mm_t>::packed) brgemm_release(true);
   });
@@ -777,12 +784,15 @@ const float* sink_values(const c10::optional<at::Tensor>& sinks, int64_t H, at::
 // out [R, H, D] (q's dtype) and lse [R, H] (fp32) of the rows of q [R, H, D] over the key rows
 // sources[i][rows[i][r, j]] (rows: int64 [R, W_i], -1 = no key), with the sink sinks [H] (fp32);
 // written into ``out_into`` / ``lse_into`` when given (contiguous, e.g. a slice of the caller's
-// output: no copy), else into new tensors.
+// output: no copy), else into new tensors.  sink_in_lse false: the lse leaves the sink out (the
+// output still includes it), as FlashMLA reports it.  max_into (fp32 [R, H], contiguous): each row's
+// maximum scaled score without the sink, -inf for a row without a key (FlashMLA's max_logits).
 std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std::vector<at::Tensor>& sources,
                                                  const std::vector<at::Tensor>& rows,
                                                  const c10::optional<at::Tensor>& sinks, double scale,
                                                  const c10::optional<at::Tensor>& out_into,
-                                                 const c10::optional<at::Tensor>& lse_into) {
+                                                 const c10::optional<at::Tensor>& lse_into, bool sink_in_lse,
+                                                 const c10::optional<at::Tensor>& max_into) {
   check_operands(q, sources, rows);
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   at::Tensor sinks_f;
@@ -793,8 +803,13 @@ std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std:
                   out.device().is_cpu(), "out: expected a contiguous CPU tensor shaped and typed like q");
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == R && lse.size(1) == H && lse.scalar_type() == at::kFloat &&
                   lse.is_contiguous() && lse.device().is_cpu(), "lse: expected a contiguous CPU fp32 [R, H] tensor");
+  if (max_into.has_value())
+    TORCH_CHECK(max_into->dim() == 2 && max_into->size(0) == R && max_into->size(1) == H &&
+                    max_into->scalar_type() == at::kFloat && max_into->is_contiguous() && max_into->device().is_cpu(),
+                "max: expected a contiguous CPU fp32 [R, H] tensor");
   dsattn_native::dispatch_gemm(q.scalar_type(), [&](auto s, auto m) {
-    forward_rows<decltype(s), decltype(m)>(q, sources, rows, sink_ptr, scale, out, lse);
+    forward_rows<decltype(s), decltype(m)>(q, sources, rows, sink_ptr, scale, sink_in_lse, out, lse,
+                                           max_into.has_value() ? max_into->data_ptr<float>() : nullptr);
   });
   return {out, lse};
 }

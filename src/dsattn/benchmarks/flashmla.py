@@ -1,0 +1,115 @@
+"""FlashMLA's API (:mod:`dsattn.flashmla`) against the operators on the same work: the same queries,
+keys, sinks and scale, each through its own interface (FlashMLA's flat pool indices and FP8 cache
+layouts; the operators' block tables and packed rows).  The ratio is the API's time over the
+operator's; the outputs are checked to agree (the bf16 cross-order rule)."""
+from __future__ import annotations
+
+import torch
+
+from .. import flashmla, ops
+from ..quant import flashmla as F
+from ..testing import compare
+from . import workloads
+from .harness import Result, timeit
+
+DECODE_CALLS = 20
+
+
+def pool_indices(table: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
+    """Logical positions ``[B, ..., K]`` (-1 kept) -> FlashMLA's flat pool indices through ``table [B, P]``."""
+    B = table.size(0)
+    safe = positions.clamp(min=0).reshape(B, -1).to(torch.int64)
+    flat = table.to(torch.int64).gather(1, safe // block) * block + safe % block
+    return torch.where(positions.reshape(B, -1) >= 0, flat, -1).view(positions.shape).to(torch.int32)
+
+
+def decode_call(q, kw):
+    """A V4 CSA decode step (:func:`workloads.decode`) as FlashMLA's sparse decode: the window's raw
+    tokens through ``indices`` into the raw cache, the top-k compressed tokens through
+    ``extra_indices_in_kvcache`` into the compressed cache."""
+    B = q.size(0)
+    S2o = kw["seqused_ori_kv"].to(torch.int64)
+    win = S2o[:, None] - workloads.WINDOW + torch.arange(workloads.WINDOW)[None]        # [B, 128]
+    win = torch.where(win >= 0, win, torch.full_like(win, -1))
+    block = kw["ori_kv"].size(1)
+    main = pool_indices(kw["ori_block_table"], win, block).view(B, 1, -1)
+    extra = pool_indices(kw["cmp_block_table"], kw["cmp_sparse_indices"].view(B, -1), kw["cmp_kv"].size(1))
+    return dict(indices=main, extra_indices_in_kvcache=extra.view(B, 1, -1), attn_sink=kw["sinks"],
+                softmax_scale=kw["softmax_scale"])
+
+
+def _flash_decode(q, k_cache, extra_cache, call, fp8):
+    meta, _ = flashmla.get_mla_metadata()
+    return lambda: flashmla.flash_mla_with_kvcache(q, k_cache, None, None, q.size(-1), meta, is_fp8_kvcache=fp8,
+                                                   extra_k_cache=extra_cache, **call)[0]
+
+
+def _sharedkv_args(q, kw, ori, cmp):
+    B = q.size(0)
+    return dict(ori_kv=ori, ori_block_table=kw["ori_block_table"], seqused_kv=kw["seqused_ori_kv"],
+                cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32), sinks=kw["sinks"],
+                softmax_scale=kw["softmax_scale"], ori_win_left=kw["ori_win_left"], layout_q="TND", layout_kv="PA_ND",
+                cmp_kv=cmp, cmp_block_table=kw["cmp_block_table"], cmp_ratio=4,
+                cmp_sparse_indices=kw["cmp_sparse_indices"].reshape(B, 1, -1))
+
+
+def decode_rows(results, B=32, fixed=65536, calls=DECODE_CALLS):
+    q, kw, flops, _ = workloads.decode(B=B, ratio=4, fixed=fixed, seed=2)
+    nbytes = workloads.decode_bytes(q, kw)
+    name = f"decode CSA V4-Flash B{B} @{fixed // 1024}K bf16 caches"
+    op = lambda: ops.sparse_flash_mla(q, **kw)[0]                                     # noqa: E731
+    api = _flash_decode(q, kw["ori_kv"], kw["cmp_kv"], decode_call(q, kw), False)
+    t_op, t_api = timeit(op, repeat=calls), timeit(api, repeat=calls)
+    match = bool(compare(api()[:, 0], op()[:, 0]))
+    results.append(Result("flashmla", name, "sparse_flash_mla (operator)", t_op, flops / 1e9, bytes=nbytes))
+    results.append(Result("flashmla", name, "flash_mla_with_kvcache", t_api, flops / 1e9, bytes=nbytes,
+                          note=f"API / operator {t_api / t_op:.2f}x", extra={"matches_operator": match}))
+    # FlashMLA's V4 FP8 layout (584 B / token) against the operator over packed rows of the same payload
+    ori8, cmp8 = F.quantize_cache(kw["ori_kv"], F.V4), F.quantize_cache(kw["cmp_kv"], F.V4)
+    qt = q.reshape(B, *q.shape[2:])
+    args = _sharedkv_args(qt, kw, F.to_packed_rows(ori8), F.to_packed_rows(cmp8))
+    row = args["cmp_kv"].size(-1)
+    nbytes8 = workloads.decode_bytes(q, dict(kw, ori_kv=args["ori_kv"], cmp_kv=args["cmp_kv"]))
+    name8 = f"decode CSA V4-Flash B{B} @{fixed // 1024}K FP8 caches"
+    op8 = lambda: ops.sparse_attn_sharedkv_packed(qt, kv_rope_dim=64, kv_tile_size=64, **args)[0]   # noqa: E731
+    api8 = _flash_decode(q, ori8, cmp8, decode_call(q, kw), True)
+    t_op, t_api = timeit(op8, repeat=calls), timeit(api8, repeat=calls)
+    match = bool(compare(api8()[:, 0], op8()))
+    results.append(Result("flashmla", name8, f"sparse_attn_sharedkv_packed ({row} B rows)", t_op, flops / 1e9,
+                          bytes=nbytes8))
+    results.append(Result("flashmla", name8, "flash_mla_with_kvcache (V4 584 B layout)", t_api, flops / 1e9,
+                          bytes=nbytes8, note=f"API / operator {t_api / t_op:.2f}x",
+                          extra={"matches_operator": match}))
+
+
+def prefill_rows(results, L=4096):
+    """A V4 CSA prefill as FlashMLA's sparse prefill: one key buffer (raw rows, then compressed rows)
+    and per query row its 128 window rows and top-512 compressed rows as indices into it."""
+    q, kw, flops = workloads.prefill(L, ratio=4)
+    ori, cmp = kw["ori_kv"][0], kw["cmp_kv"][0]
+    kv = torch.cat([ori, cmp])                                                        # [L + L/4, 1, D]
+    pos = torch.arange(L)
+    win = pos[:, None] - workloads.WINDOW + 1 + torch.arange(workloads.WINDOW)[None]
+    idx = kw["cmp_sparse_indices"][0, :, 0].to(torch.int64)
+    indices = torch.cat([torch.where(win >= 0, win, -1), torch.where(idx >= 0, L + idx, -1)], 1)
+    indices = indices.to(torch.int32)[:, None, :]
+    op = lambda: ops.sparse_flash_mla(q, **kw)[0]                                     # noqa: E731
+    api = lambda: flashmla.flash_mla_sparse_fwd(q[0], kv, indices, kw["softmax_scale"], d_v=q.size(-1),  # noqa: E731
+                                                attn_sink=kw["sinks"])[0]
+    t_op, t_api = timeit(op, repeat=1), timeit(api, repeat=1)
+    match = bool(compare(api(), op()[0]))
+    name = f"prefill CSA {L // 1024}K"
+    results.append(Result("flashmla", name, "sparse_flash_mla (operator)", t_op, flops / 1e9))
+    results.append(Result("flashmla", name, "flash_mla_sparse_fwd", t_api, flops / 1e9,
+                          note=f"API / operator {t_api / t_op:.2f}x", extra={"matches_operator": match}))
+
+
+def run(smoke: bool = False, results=None) -> list[Result]:
+    results = [] if results is None else results
+    if smoke:
+        decode_rows(results, B=2, fixed=4096, calls=1)
+        prefill_rows(results, L=256)
+    else:
+        decode_rows(results)
+        prefill_rows(results)
+    return results
