@@ -7,6 +7,7 @@ raw and compressed caches (uneven cuts, one through the window), runs
 each rank's merged output (on the CPU)."""
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,15 @@ def worker(rank, world, outdir, ratio, sparse, fail_rank=-1, backend="gloo"):
         branch.update(cmp_shard=cmp[cc[rank]:cc[rank + 1]], cmp_start=cc[rank], cmp_sparse_indices=idx)
     if rank == fail_rank:
         sinks = sinks.double()                   # a bad argument on one rank: TypeError naming sinks
-    out = context_parallel_attention(q, ori[c[rank]:c[rank + 1]], c[rank], L, sinks=sinks, **branch)
+    try:
+        out = context_parallel_attention(q, ori[c[rank]:c[rank + 1]], c[rank], L, sinks=sinks, **branch)
+    except RuntimeError:
+        if 0 <= fail_rank != rank:
+            # the failing rank's exit closed this rank's connection: wait (the launcher stops this process
+            # when it sees the failing rank's error), so that the launcher reports the failing rank's
+            # error, not this consequence of it (which it did about once in four runs)
+            time.sleep(60)
+        raise
     torch.save(out.cpu(), os.path.join(outdir, f"out{rank}.pt"))
     dist.destroy_process_group()
 

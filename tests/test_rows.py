@@ -94,3 +94,119 @@ def test_dispatch_order_and_reasons():
     out, lse, mx = rows.attend_rows(q[:0], [torch.randn(4, 8).bfloat16()], [torch.zeros(0, 2, dtype=torch.int64)],
                                     scale=1.0)
     assert out.shape == (0, 3, 8) and lse.shape == (0, 3) and mx is None
+
+
+def packed_source(fmt: str, g, D: int):
+    """(packed tokens, their decoded keys [tokens, D] bf16 (the golden's decode), poison(unread))."""
+    from dsattn.quant import dequant_kv_rows, quantize_kv_rows
+    from dsattn.quant import flashmla as F
+    from dsattn.quant.tokens import PackedTokens
+    k = (torch.randn(6, 5, 1, D, generator=g) / 3).bfloat16()
+    if fmt.startswith("rows"):
+        payload = torch.int8 if fmt == "rows-int8" else torch.float8_e4m3fn
+        packed = quantize_kv_rows(k.view(30, D), 64, payload, 64)
+        decoded = dequant_kv_rows(packed, 64, torch.bfloat16, torch.bfloat16, 64)[0]
+        N = D - 64
+
+        def poison(unread):
+            u8 = packed.view(torch.uint8)
+            u8[unread, N + 128:] = 0xFF                              # its fp32 scales: NaN
+            if payload != torch.int8:
+                u8[unread, :N] = 0xFF                                 # its fp8 payload: NaN
+        return PackedTokens.from_rows(packed, 64, 64, torch.bfloat16), decoded, poison
+    layout = F.V32 if fmt == "V3.2" else F.V4
+    cache = F.quantize_cache(k, layout)
+    decoded = F.dequantize_cache(cache).view(30, D)
+
+    def poison(unread):
+        u8 = cache.view(torch.uint8)
+        if layout is F.V32:
+            u8.view(30, -1)[unread] = 0xFF
+        else:
+            body = u8.reshape(6, -1)[:, :5 * 576].reshape(30, 576)
+            body[unread, :448] = 0xFF
+    return PackedTokens.from_flashmla(cache), decoded, poison
+
+
+@pytest.mark.parametrize("fmt", ["rows-int8", "rows-fp8", "V3.2", "V4"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_packed_tokens_decoded_as_read(impl, fmt, gen, monkeypatch):
+    """Packed tokens (dsattn's packed rows, FlashMLA's V3.2 and V4 layouts) beside a plain source: the
+    kernels decode the listed tokens as the golden does (payload x tile scale in fp32, rounded once
+    to the query dtype); unread tokens hold NaN bytes."""
+    if impl == "compiled" and native.kernels() is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    if impl == "triton":
+        monkeypatch.setenv("DSATTN_BACKEND", "triton")
+    D = 576 if fmt == "V3.2" else 512
+    src, decoded, poison = packed_source(fmt, gen, D)
+    R, H = 5, 4
+    q = (torch.randn(R, H, D, generator=gen) / 3).bfloat16()
+    plain = (torch.randn(9, D, generator=gen) / 3).bfloat16()
+    t1 = torch.randint(0, 30, (R, 10), generator=gen)
+    t1[torch.rand(t1.shape, generator=gen) < 0.3] = -1
+    t1[2] = -1
+    t2 = torch.randint(0, 9, (R, 3), generator=gen)
+    unread = torch.ones(30, dtype=torch.bool)
+    unread[t1[t1 >= 0]] = False
+    poison(unread)
+    sinks = torch.tensor([INF, -INF, 0.7, -0.3])
+    monkeypatch.setattr(rows, "choose", lambda *_: IMPLS[impl])
+    out, lse, mx = rows.attend_rows(q, [src, plain], [t1, t2], scale=0.1, sinks=sinks, sink_in_lse=False,
+                                    want_max=True)
+    want, want_lse, want_mx = math_reference(q, [decoded, plain], [t1, t2], 0.1, sinks, False)
+    assert not out.isnan().any()
+    assert testing.flashmla_close(out, want.to(torch.bfloat16).double(), abs_tol=1e-3, rel_tol=2.01 / 128,
+                                  max_cos_diff=None)
+    assert testing.fp32_math_close(lse, want_lse) and testing.fp32_math_close(mx, want_mx)
+    # decoding as read gives the very keys the golden decodes: bit-identical to the same kernel over them
+    same, same_lse, _ = rows.attend_rows(q, [decoded, plain], [t1, t2], scale=0.1, sinks=sinks, sink_in_lse=False)
+    assert torch.equal(out, same) and torch.equal(lse, same_lse)
+
+
+def test_packed_tokens_reject_a_short_buffer():
+    """The compiled kernel never reads past a packed source: a format whose last token would end
+    past the bytes is refused."""
+    if native.kernels() is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    from dsattn.quant import quantize_kv_rows
+    from dsattn.quant.tokens import PackedTokens
+    import dataclasses
+    packed = quantize_kv_rows(torch.randn(4, 512).bfloat16(), 64, torch.int8, 64)
+    src = PackedTokens.from_rows(packed, 64, 64, torch.bfloat16)
+    bad = dataclasses.replace(src, tokens=5)
+    q = torch.randn(1, 2, 512).bfloat16()
+    with pytest.raises(RuntimeError, match="reaches past"):
+        rows.Compiled.run(q, [bad], [torch.zeros(1, 1, dtype=torch.int64)], None, 1.0, True,
+                          torch.empty(1, 2, 512, dtype=torch.bfloat16), torch.empty(1, 2), None)
+
+
+def test_fp8_decode_of_every_code():
+    """The compiled decode of all 256 fp8 e4m3fn codes, by every version this CPU runs (scalar, AVX2,
+    AVX-512), equals c10's conversion (NaN codes NaN, signed zeros kept)."""
+    module = native.kernels()
+    if module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    assert module.fp8_decode_matches()
+
+
+@pytest.mark.parametrize("payload", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_packed_operator_decodes_in_the_kernel(payload, monkeypatch):
+    """sparse_attn_sharedkv_packed hands its packed caches to the compiled kernel as they are (no
+    dequantised copy of the gathered rows): the kernel receives byte sources and their formats."""
+    module = native.kernels()
+    if module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    from dsattn import cases, ops, reference
+    seen = []
+    real = module.sparse_attention_forward
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("formats"), [s.dtype for s in args[1]]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, "sparse_attention_forward", spy)
+    c = cases.packed_sharedkv_case("TND", 4, torch.bfloat16, payload=payload, seed=int(torch.randint(0, 2**31 - 1, ())))
+    out, _ = ops.sparse_attn_sharedkv_packed(c.q, **c.kwargs)
+    want, _ = reference.sparse_attn_sharedkv_packed(c.q, **c.kwargs)
+    assert seen and all(f and all(len(x) == 14 for x in f) and set(d) == {torch.uint8} for f, d in seen), seen
+    assert testing.compare(out, want)

@@ -15,8 +15,8 @@ FlashMLA's ``flash_mla/flash_mla_interface.py``; its conventions hold at this bo
 
 Sparse calls run :func:`dsattn.sparse_mla.rows.attend_rows`, the kernels of ``sparse_flash_mla``
 over each query's own list of tokens: the compiled CPU kernel reads the listed tokens of a bf16 /
-fp16 cache in place (no gathered copy), the Triton kernel on CUDA; an FP8 cache has only the listed
-tokens dequantised, block of rows by block.  The numerics are the operators' (fp32 scores and
+fp16 cache in place (no gathered copy) and decodes an FP8 cache's listed tokens as it reads them;
+the Triton kernel runs on CUDA.  The numerics are the operators' (fp32 scores and
 softmax, P rounded to the query dtype before P·V, as FlashMLA's kernels do too); the sink enters the
 output's normaliser, the LSE leaves it out.  For dense decode the paged cache goes to
 ``sparse_flash_mla`` as it is (causal: ori mask mode 3), one call per KV head with its group of
@@ -36,12 +36,12 @@ import torch
 
 from . import ops
 from .common.checks import check_tensor, content_checks_enabled, fail, host_ints
-from .quant.flashmla import dequantize_tokens, layout_of
+from .quant.flashmla import layout_of
+from .quant.tokens import PackedTokens
 from .sparse_mla.rows import attend_rows
 
 __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd"]
 
-DECODE_BUDGET = 64 << 20          # bytes of FP8 tokens dequantised per block of query rows
 
 
 @dataclasses.dataclass
@@ -76,10 +76,6 @@ def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
 
 def _lse_fill_empty(lse: torch.Tensor, has_key: torch.Tensor) -> torch.Tensor:
     return torch.where(has_key, lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
-
-
-def _rows_per_block(W: int, d: int, itemsize: int) -> int:
-    return max(1, DECODE_BUDGET // max(1, W * d * itemsize))
 
 
 def _check_flat_indices(name: str, idx: torch.Tensor, lead: tuple, pool: int) -> None:
@@ -148,18 +144,10 @@ class _Scope:
             valid &= torch.arange(self.K, device=idx.device)[None] < self.len[:, None]
         return torch.where(valid, idx, torch.full((), -1, dtype=torch.int64, device=idx.device))
 
-    def source(self, table: torch.Tensor, dtype: torch.dtype):
-        """``(key rows, their table)`` for the rows of ``table``: a bf16 / fp16 cache as it lies (the
-        kernel reads the listed tokens in place); an FP8 cache's listed tokens dequantised to
-        ``dtype`` (only those), numbered in order."""
-        if not self.fp8:
-            return self.cache, table
-        valid = table >= 0
-        safe = torch.where(valid, table, torch.zeros_like(table))
-        blk, off = torch.div(safe, self.bs, rounding_mode="floor"), safe % self.bs
-        keys = dequantize_tokens(self.cache, self.layout, blk, off, dtype)            # [r, K, d]
-        seq = torch.arange(table.numel(), device=table.device).view(table.shape)
-        return keys, torch.where(valid, seq, torch.full((), -1, dtype=seq.dtype, device=seq.device))
+    def source(self):
+        """The cache as the kernels read it: a bf16 / fp16 cache as it lies, an FP8 cache as packed
+        tokens (only the listed ones are decoded, as they are read)."""
+        return PackedTokens.from_flashmla(self.cache, self.name) if self.fp8 else self.cache
 
 
 def _attend(q, scopes_or_sources, scale, sinks, want_max=False):
@@ -174,19 +162,7 @@ def _attend(q, scopes_or_sources, scale, sinks, want_max=False):
 
 def _sparse_decode(q, scopes, head_dim_v, scale, attn_sink):
     b, s_q, h, d = q.shape
-    R = b * s_q
-    qf = q.reshape(R, h, d)
-    tables = [sc.table() for sc in scopes]
-    if not any(sc.fp8 for sc in scopes):          # one call: the kernel reads the listed tokens in place
-        out, lse, _ = _attend(qf, [sc.source(t, q.dtype) for sc, t in zip(scopes, tables)], scale, attn_sink)
-    else:                                         # blocks of rows, their tokens dequantised as read
-        out = torch.empty(R, h, d, dtype=q.dtype, device=q.device)
-        lse = torch.empty(R, h, dtype=torch.float32, device=q.device)
-        step = _rows_per_block(sum(t.size(1) for t in tables), d, q.element_size())
-        for r0 in range(0, R, step):
-            r1 = min(R, r0 + step)
-            out[r0:r1], lse[r0:r1], _ = _attend(qf[r0:r1], [sc.source(t[r0:r1], q.dtype) for sc, t in
-                                                             zip(scopes, tables)], scale, attn_sink)
+    out, lse, _ = _attend(q.reshape(b * s_q, h, d), [(sc.source(), sc.table()) for sc in scopes], scale, attn_sink)
     return out[..., :head_dim_v].reshape(b, s_q, h, head_dim_v), lse.view(b, s_q, h).transpose(1, 2)
 
 

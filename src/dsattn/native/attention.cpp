@@ -203,6 +203,179 @@ void pack_matrix(const uint16_t* rows, int64_t K, int64_t N, uint16_t* out) {
   for (int64_t i = 0; i < K / 2; ++i) pack_pair(rows + 2 * i * N, rows + (2 * i + 1) * N, N, K, i, out);
 }
 
+// ---- packed key rows, decoded as they are gathered ----
+//
+// A packed source holds per token N quantised columns (int8 or fp8 e4m3fn) in tiles of ``tile``
+// with one scale per tile (fp32, or ue8m0: 2^(b - 127)), then R rope columns as 16-bit floats
+// (bf16 or fp16).  Where the parts lie is the format's: dsattn's packed rows [payload | rope |
+// fp32 scales], FlashMLA's V3.2 rows [payload | fp32 scales | rope] and its V4 blocks (block_size
+// bodies [payload | rope], then their ue8m0 scales).  A row is dequantised in fp32 (payload x
+// scale) and rounded once to the query dtype, as the golden (dequant_kv_rows) does.
+struct PackedFormat {
+  const uint8_t* base;
+  int64_t tokens, N, R, tile;
+  bool fp8, ue8m0, rope_fp16;
+  // token t: body at base + (t / bs) * block_stride + (t % bs) * body_stride, its payload at
+  // + payload_off, its rope at + rope_off; its scales at base + (t / bs) * block_stride +
+  // scale_region + (t % bs) * scale_stride
+  int64_t bs, block_stride, body_stride, payload_off, rope_off, scale_region, scale_stride;
+
+  static constexpr int64_t FIELDS = 14;
+
+  // from the entry point's int64 description (dsattn/sparse_mla/rows.py writes it)
+  static PackedFormat from(const std::vector<int64_t>& f, const uint8_t* base) {
+    return PackedFormat{base, f[0], f[1], f[2], f[3], f[4] != 0, f[5] != 0, f[6] != 0,
+                        f[7], f[8], f[9], f[10], f[11], f[12], f[13]};
+  }
+  // the furthest byte a token's fields reach + 1 (tokens lie in increasing order of address)
+  int64_t end_of(int64_t t) const {
+    const int64_t blk = (t / bs) * block_stride, in = t % bs;
+    const int64_t body = blk + in * body_stride;
+    return std::max({body + payload_off + N, body + rope_off + 2 * R,
+                     blk + scale_region + in * scale_stride + (N / tile) * (ue8m0 ? 1 : 4)});
+  }
+};
+
+// One key of a row: a plain row of the query dtype (fmt null) or a packed token's fields.
+struct KeyRef {
+  const uint8_t* payload;   // plain: the row itself
+  const uint8_t* rope;
+  const uint8_t* scales;
+  const PackedFormat* fmt;
+};
+
+inline KeyRef packed_key(const PackedFormat& f, int64_t t) {
+  const int64_t blk = (t / f.bs) * f.block_stride, in = t % f.bs;
+  const uint8_t* body = f.base + blk + in * f.body_stride;
+  return KeyRef{body + f.payload_off, body + f.rope_off, f.base + blk + f.scale_region + in * f.scale_stride, &f};
+}
+
+// fp8 e4m3fn bits -> float, exact, in vectorisable integer steps (no table, no denormal input):
+// normal codes rebias the exponent by 120, subnormal ones are m x 2^-9, 0x7F / 0xFF are NaN.
+inline float fp8_e4m3fn_float(uint8_t x) {
+  const uint32_t em = x & 0x7Fu;
+  const float normal = __builtin_bit_cast(float, (em << 20) + (120u << 23));
+  float v = em >= 8u ? normal : static_cast<float>(em) * 0x1p-9f;
+  v = em == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : v;
+  return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, v) | (uint32_t(x & 0x80u) << 24));
+}
+
+// out[0, n) = payload x scale in fp32, one tile of n columns.  GCC leaves the conversion's selects
+// as branches, so the vector versions are written out: 16 (AVX-512) or 8 (AVX2) codes at a time,
+// the same integer steps as fp8_e4m3fn_float.
+void dequant_tile_fp8_scalar(const uint8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
+  for (int64_t d = 0; d < n; ++d) out[d] = fp8_e4m3fn_float(x[d]) * scale;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void dequant_tile_fp8_avx512(const uint8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
+  const __m512 vs = _mm512_set1_ps(scale), sub_unit = _mm512_set1_ps(0x1p-9f);
+  const __m512i low7 = _mm512_set1_epi32(0x7F), bias = _mm512_set1_epi32(120 << 23), eight = _mm512_set1_epi32(8),
+                nan = _mm512_set1_epi32(0x7FC00000), sign = _mm512_set1_epi32(0x80);
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
+    const __m512i em = _mm512_and_si512(b, low7);
+    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 20), bias);
+    const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(em), sub_unit));
+    __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(em, eight), sub, normal);
+    bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(em, low7), bits, nan);
+    bits = _mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(b, sign), 24));
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_castsi512_ps(bits), vs));
+  }
+  dequant_tile_fp8_scalar(x + d, n - d, scale, out + d);
+}
+
+__attribute__((target("avx2")))
+void dequant_tile_fp8_avx2(const uint8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
+  const __m256 vs = _mm256_set1_ps(scale), sub_unit = _mm256_set1_ps(0x1p-9f);
+  const __m256i low7 = _mm256_set1_epi32(0x7F), bias = _mm256_set1_epi32(120 << 23), seven = _mm256_set1_epi32(7),
+                nan = _mm256_set1_epi32(0x7FC00000), sign = _mm256_set1_epi32(0x80);
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + d)));
+    const __m256i em = _mm256_and_si256(b, low7);
+    const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(em, 20), bias);
+    const __m256i sub = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(em), sub_unit));
+    __m256i bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(em, seven));
+    bits = _mm256_blendv_epi8(bits, nan, _mm256_cmpeq_epi32(em, low7));
+    bits = _mm256_or_si256(bits, _mm256_slli_epi32(_mm256_and_si256(b, sign), 24));
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_castsi256_ps(bits), vs));
+  }
+  dequant_tile_fp8_scalar(x + d, n - d, scale, out + d);
+}
+
+using DequantFp8 = void (*)(const uint8_t*, int64_t, float, float*);
+
+// chosen once per process, from what the CPU runs
+DequantFp8 dequant_tile_fp8_best() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return dequant_tile_fp8_avx512;
+  if (__builtin_cpu_supports("avx2")) return dequant_tile_fp8_avx2;
+  return dequant_tile_fp8_scalar;
+}
+
+void dequant_tile_fp8(const uint8_t* x, int64_t n, float scale, float* out) {
+  static const DequantFp8 best = dequant_tile_fp8_best();
+  best(x, n, scale, out);
+}
+
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void dequant_tile_int8(const int8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
+  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<float>(x[d]) * scale;
+}
+
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void round_to_bf16(const float* __restrict__ x, int64_t n, uint16_t* __restrict__ out) {
+  for (int64_t d = 0; d < n; ++d) out[d] = bf16_bits(x[d]);
+}
+
+inline float tile_scale(const KeyRef& k, int64_t t) {
+  if (k.fmt->ue8m0) {
+    const uint32_t b = k.scales[t];
+    if (b == 0xFFu) return std::numeric_limits<float>::quiet_NaN();
+    return b == 0 ? 0x1p-127f : __builtin_bit_cast(float, b << 23);
+  }
+  float s;
+  std::memcpy(&s, k.scales + 4 * t, sizeof s);
+  return s;
+}
+
+// The packed token's nope columns as fp32 (payload x tile scale) into vals [N].
+inline void dequant_nope(const KeyRef& k, float* vals) {
+  const PackedFormat& f = *k.fmt;
+  for (int64_t t = 0; t < f.N / f.tile; ++t) {
+    const float s = tile_scale(k, t);
+    if (f.fp8)
+      dequant_tile_fp8(k.payload + t * f.tile, f.tile, s, vals + t * f.tile);
+    else
+      dequant_tile_int8(reinterpret_cast<const int8_t*>(k.payload) + t * f.tile, f.tile, s, vals + t * f.tile);
+  }
+}
+
+// the decode of every fp8 code against c10's conversion (NaN codes both NaN), by each version this
+// CPU can run (scalar, AVX2, AVX-512)
+bool fp8_codes_match() {
+  uint8_t codes[256];
+  for (int c = 0; c < 256; ++c) codes[c] = static_cast<uint8_t>(c);
+  std::vector<DequantFp8> versions{dequant_tile_fp8_scalar};
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) versions.push_back(dequant_tile_fp8_avx2);
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    versions.push_back(dequant_tile_fp8_avx512);
+  for (const DequantFp8 version : versions) {
+    float got[256];
+    version(codes, 256, 1.0f, got);
+    for (int c = 0; c < 256; ++c) {
+      const float want = static_cast<float>(c10::Float8_e4m3fn(codes[c], c10::Float8_e4m3fn::from_bits()));
+      if (!(got[c] == want || (got[c] != got[c] && want != want)) || std::signbit(got[c]) != std::signbit(want))
+        return false;
+    }
+  }
+  return true;
+}
+
 // out[h, :] = o[h, :D] * inv[h], rounded to bf16 / kept in fp32.
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void normalize_bf16(const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D,
@@ -229,13 +402,13 @@ struct RowAttention {
   bool sink_in_lse = true;  // false: lse = m + log(l) without the sink (FlashMLA's convention)
 
   mm_t *keys, *ring, *q_b, *v_packed, *p;           // per-thread buffers (Workspace)
-  float *s, *o, *m, *l, *inv;
+  float *s, *o, *m, *l, *inv, *vals;
 
   // Buffers that live as long as the thread: grown when a call needs more, never cleared (every
   // element a row reads is written first).
   struct Workspace {
     Buffer<mm_t> keys, ring, q_b, v_packed, p;
-    Buffer<float> s, o, m, l, inv;
+    Buffer<float> s, o, m, l, inv, vals;
   };
 
   template <typename T>
@@ -258,6 +431,7 @@ struct RowAttention {
     m = sized(ws.m, Hp);
     l = sized(ws.l, Hp);
     inv = sized(ws.inv, Hp);
+    vals = sized(ws.vals, Dp);
   }
 
   static inline mm_t as_operand(scalar_t x) { return static_cast<mm_t>(static_cast<float>(x)); }
@@ -273,23 +447,67 @@ struct RowAttention {
   // help: 640 random 1 KB rows of a 4 GB cache took 150 us with every line prefetched 8 rows
   // ahead into L1, 135 us into L2 16 rows ahead, 108-112 us one line in four (one core); rows
   // of an L2- or L3-sized cache were as fast or faster.
-  void gather(const std::vector<const scalar_t*>& rows, int64_t npad, int64_t i0, int64_t i1, mm_t* dst) {
-    constexpr int64_t AHEAD = 16, PREFETCH_STRIDE = 256;
-    const int64_t n = static_cast<int64_t>(rows.size());
+  static constexpr int64_t PREFETCH_STRIDE = 256;
+
+  void prefetch(const scalar_t* row) const {
     const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t b = 0; b < bytes; b += PREFETCH_STRIDE) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 2);
+  }
+
+  void prefetch(const KeyRef& k) const {
+    if (k.fmt == nullptr) return prefetch(reinterpret_cast<const scalar_t*>(k.payload));
+    for (int64_t b = 0; b < k.fmt->N; b += PREFETCH_STRIDE) __builtin_prefetch(k.payload + b, 0, 2);
+    __builtin_prefetch(k.rope, 0, 2);
+    __builtin_prefetch(k.scales, 0, 2);
+  }
+
+  // a row of the query dtype into ``to`` [Dp] as GEMM operands, zero past D
+  void copy_row(const scalar_t* src, mm_t* to) {
+    if constexpr (std::is_same_v<scalar_t, mm_t>) {
+      std::memcpy(to, src, D * sizeof(scalar_t));
+    } else {
+      for (int64_t d = 0; d < D; ++d) to[d] = as_operand(src[d]);
+    }
+    std::fill(to + D, to + Dp, mm_t(0));
+  }
+
+  // a packed token decoded into ``to``: nope = payload x scale in fp32 rounded once to the query
+  // dtype, rope widened from its 16 bits to the query dtype
+  void copy_row(const KeyRef& k, mm_t* to) {
+    if (k.fmt == nullptr) return copy_row(reinterpret_cast<const scalar_t*>(k.payload), to);
+    const PackedFormat& f = *k.fmt;
+    dequant_nope(k, vals);
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<mm_t, at::BFloat16>) {
+      round_to_bf16(vals, f.N, reinterpret_cast<uint16_t*>(to));
+    } else {
+      for (int64_t d = 0; d < f.N; ++d) to[d] = as_operand(static_cast<scalar_t>(vals[d]));
+    }
+    mm_t* rope = to + f.N;
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<mm_t, at::BFloat16>) {
+      if (!f.rope_fp16) {
+        std::memcpy(rope, k.rope, 2 * f.R);
+        std::fill(to + D, to + Dp, mm_t(0));
+        return;
+      }
+    }
+    for (int64_t d = 0; d < f.R; ++d) {
+      uint16_t bits;
+      std::memcpy(&bits, k.rope + 2 * d, 2);
+      const float r = f.rope_fp16 ? static_cast<float>(c10::Half(bits, c10::Half::from_bits())) : bf16_float(bits);
+      rope[d] = as_operand(static_cast<scalar_t>(r));
+    }
+    std::fill(to + D, to + Dp, mm_t(0));
+  }
+
+  template <typename Key>
+  void gather(const std::vector<Key>& rows, int64_t npad, int64_t i0, int64_t i1, mm_t* dst) {
+    constexpr int64_t AHEAD = 16;
+    const int64_t n = static_cast<int64_t>(rows.size());
     for (int64_t i = i0; i < i1; ++i) {
       mm_t* to = dst + (i - i0) * Dp;
       if (i < n) {
-        if (i + AHEAD < n)
-          for (int64_t b = 0; b < bytes; b += PREFETCH_STRIDE)
-            __builtin_prefetch(reinterpret_cast<const char*>(rows[i + AHEAD]) + b, 0, 2);
-        const scalar_t* src = rows[i];
-        if constexpr (std::is_same_v<scalar_t, mm_t>) {
-          std::memcpy(to, src, bytes);
-        } else {
-          for (int64_t d = 0; d < D; ++d) to[d] = as_operand(src[d]);
-        }
-        std::fill(to + D, to + Dp, mm_t(0));
+        if (i + AHEAD < n) prefetch(rows[i + AHEAD]);
+        copy_row(rows[i], to);
       } else {
         std::fill(to, to + Dp, mm_t(0));
       }
@@ -302,14 +520,16 @@ struct RowAttention {
   }
 
   // keys [npad, Dp] whole (the backward multiplies them more than once)
-  void gather(const std::vector<const scalar_t*>& rows, int64_t npad) { gather(rows, npad, 0, npad, keys); }
+  template <typename Key>
+  void gather(const std::vector<Key>& rows, int64_t npad) { gather(rows, npad, 0, npad, keys); }
 
   // S^T [npad, Hp] = keys x q^T.  With packed operands the keys stream through a ring of RING
   // rows: each chunk's rows of S^T are multiplied while it is in L1 / L2 and only the packed V
   // stays.  A whole key copy (640 KB for V4's 640 keys) beside the packed V (as much again) filled
   // L2 and pushed V out before P V: gather + S + P V took 18 % longer per row that way (one
   // core, 640 random rows of a 2 MB cache).  Without packing, P V reads the keys themselves.
-  void gather_scores(const std::vector<const scalar_t*>& rows, int64_t npad) {
+  template <typename Key>
+  void gather_scores(const std::vector<Key>& rows, int64_t npad) {
     if constexpr (packed) {
       for (int64_t c0 = 0; c0 < npad; c0 += RING) {
         const int64_t m = std::min(RING, npad - c0);
@@ -351,8 +571,8 @@ struct RowAttention {
 
   // One query row over its gathered keys -> out [H, D] (query dtype), lse [H]; row_max [H] (when not
   // null): the maximum scaled score, without the sink (-inf for a row without a key).
-  void run(const scalar_t* q, const std::vector<const scalar_t*>& rows, scalar_t* out, float* lse,
-           float* row_max = nullptr) {
+  template <typename Key>
+  void run(const scalar_t* q, const std::vector<Key>& rows, scalar_t* out, float* lse, float* row_max = nullptr) {
     const int64_t n = static_cast<int64_t>(rows.size());
     if (n == 0) {                                   // no key: O = 0, lse = 0
       std::fill(out, out + H * D, scalar_t(0));
@@ -416,7 +636,7 @@ struct KeyTables {
 
   KeyTables(const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows, int64_t dim) : D(dim) {
     for (size_t i = 0; i < sources.size(); ++i) {
-      bases.push_back(sources[i].data_ptr<scalar_t>());
+      bases.push_back(static_cast<const scalar_t*>(sources[i].data_ptr()));   // (packed sources: bytes)
       index.push_back(rows[i].data_ptr<int64_t>());
       widths.push_back(rows[i].size(1));
       width += rows[i].size(1);
@@ -445,12 +665,14 @@ struct KeyTables {
   }
 };
 
+// formats: one per source, null for rows of the query dtype, else how its packed tokens are decoded
 template <typename scalar_t, typename mm_t>
 void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows,
-                  const float* sinks, double scale, bool sink_in_lse, at::Tensor& out, at::Tensor& lse,
-                  float* row_max) {
+                  const std::vector<const PackedFormat*>& formats, const float* sinks, double scale, bool sink_in_lse,
+                  at::Tensor& out, at::Tensor& lse, float* row_max) {
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const KeyTables<scalar_t> tables(sources, rows, D);
+  const bool any_packed = std::any_of(formats.begin(), formats.end(), [](const PackedFormat* f) { return f != nullptr; });
   const scalar_t* qp = q.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   float* lp = lse.data_ptr<float>();
@@ -459,11 +681,22 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
                                       sink_in_lse};
     work.reserve(tables.npad_max(), /*whole_keys=*/!RowAttention<scalar_t, mm_t>::packed);
     std::vector<const scalar_t*> keys;
-    keys.reserve(tables.width);
+    std::vector<KeyRef> refs;                    // with packed sources: each key's fields
+    (any_packed ? refs.reserve(tables.width) : keys.reserve(tables.width));
     for (int64_t r = r0; r < r1; ++r) {
-      keys.clear();
-      tables.each(r, [&](int, int64_t, const scalar_t* row) { keys.push_back(row); });
-      work.run(qp + r * H * D, keys, op + r * H * D, lp + r * H, row_max != nullptr ? row_max + r * H : nullptr);
+      float* mx = row_max != nullptr ? row_max + r * H : nullptr;
+      if (any_packed) {
+        refs.clear();
+        tables.each(r, [&](int i, int64_t t, const scalar_t* row) {
+          refs.push_back(formats[i] != nullptr ? packed_key(*formats[i], t)
+                                               : KeyRef{reinterpret_cast<const uint8_t*>(row), nullptr, nullptr, nullptr});
+        });
+        work.run(qp + r * H * D, refs, op + r * H * D, lp + r * H, mx);
+      } else {
+        keys.clear();
+        tables.each(r, [&](int, int64_t, const scalar_t* row) { keys.push_back(row); });
+        work.run(qp + r * H * D, keys, op + r * H * D, lp + r * H, mx);
+      }
     }
     if (RowAttention<scalar_t, mm_t>::packed) brgemm_release(true);
   });
@@ -754,20 +987,36 @@ namespace {
 
 // The checks both entry points share: q [R, H, D], each source [N_i, D] in q's dtype, each index
 // table int64 [R, W_i] whose entries are -1 or a row of its source (every read is in range).
-void check_operands(const at::Tensor& q, const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows) {
+// A packed source (``formats[i]`` given): its bytes, contiguous, with every token's fields inside
+// them; its index entries are token numbers.
+void check_operands(const at::Tensor& q, const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows,
+                    const std::vector<const PackedFormat*>& formats = {}) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q: expected a contiguous CPU [R, H, D] tensor");
   TORCH_CHECK(sources.size() == rows.size(), "sources and rows: one index table per source");
   const int64_t R = q.size(0), D = q.size(2);
   for (size_t i = 0; i < sources.size(); ++i) {
-    TORCH_CHECK(sources[i].dim() == 2 && sources[i].size(1) == D && sources[i].is_contiguous() &&
-                    sources[i].scalar_type() == q.scalar_type(),
-                "sources[", i, "]: expected a contiguous [N, D] tensor of q's dtype");
+    const PackedFormat* f = i < formats.size() ? formats[i] : nullptr;
+    int64_t count = 0;
+    if (f == nullptr) {
+      TORCH_CHECK(sources[i].dim() == 2 && sources[i].size(1) == D && sources[i].is_contiguous() &&
+                      sources[i].scalar_type() == q.scalar_type(),
+                  "sources[", i, "]: expected a contiguous [N, D] tensor of q's dtype");
+      count = sources[i].size(0);
+    } else {
+      TORCH_CHECK(sources[i].is_contiguous() && sources[i].element_size() == 1 && sources[i].device().is_cpu(),
+                  "sources[", i, "]: a packed source must be contiguous CPU bytes");
+      TORCH_CHECK(f->N + f->R == D && f->N > 0 && f->R >= 0 && f->tile > 0 && f->N % f->tile == 0 && f->bs > 0 &&
+                      f->tokens >= 0 && f->block_stride >= 0 && f->body_stride >= 0 && f->scale_stride >= 0,
+                  "formats[", i, "]: N + R must be q's head dim ", D, " with N a multiple of the tile");
+      TORCH_CHECK(f->tokens == 0 || f->end_of(f->tokens - 1) <= sources[i].numel(), "formats[", i,
+                  "]: its last token reaches past the source's ", sources[i].numel(), " bytes");
+      count = f->tokens;
+    }
     TORCH_CHECK(rows[i].dim() == 2 && rows[i].size(0) == R && rows[i].scalar_type() == at::kLong && rows[i].is_contiguous(),
                 "rows[", i, "]: expected a contiguous int64 [R, W] tensor");
     const int64_t* idx = rows[i].data_ptr<int64_t>();
     for (int64_t k = 0; k < rows[i].numel(); ++k)
-      TORCH_CHECK_INDEX(idx[k] < sources[i].size(0), "rows[", i, "]: key row ", idx[k], " is out of range [0, ",
-                        sources[i].size(0), ")");
+      TORCH_CHECK_INDEX(idx[k] < count, "rows[", i, "]: key row ", idx[k], " is out of range [0, ", count, ")");
   }
 }
 
@@ -787,13 +1036,27 @@ const float* sink_values(const c10::optional<at::Tensor>& sinks, int64_t H, at::
 // output: no copy), else into new tensors.  sink_in_lse false: the lse leaves the sink out (the
 // output still includes it), as FlashMLA reports it.  max_into (fp32 [R, H], contiguous): each row's
 // maximum scaled score without the sink, -inf for a row without a key (FlashMLA's max_logits).
+// format_fields: per source, empty for rows of q's dtype, or the PackedFormat fields of a packed
+// source (its bytes; index entries are its token numbers), decoded in the gather.
 std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std::vector<at::Tensor>& sources,
                                                  const std::vector<at::Tensor>& rows,
                                                  const c10::optional<at::Tensor>& sinks, double scale,
                                                  const c10::optional<at::Tensor>& out_into,
                                                  const c10::optional<at::Tensor>& lse_into, bool sink_in_lse,
-                                                 const c10::optional<at::Tensor>& max_into) {
-  check_operands(q, sources, rows);
+                                                 const c10::optional<at::Tensor>& max_into,
+                                                 const std::vector<std::vector<int64_t>>& format_fields) {
+  TORCH_CHECK(format_fields.empty() || format_fields.size() == sources.size(),
+              "formats: one per source (an empty one for rows of q's dtype)");
+  std::vector<PackedFormat> storage(format_fields.size());
+  std::vector<const PackedFormat*> formats(sources.size(), nullptr);
+  for (size_t i = 0; i < format_fields.size(); ++i) {
+    if (format_fields[i].empty()) continue;
+    TORCH_CHECK(static_cast<int64_t>(format_fields[i].size()) == PackedFormat::FIELDS, "formats[", i, "]: expected ",
+                PackedFormat::FIELDS, " integers");
+    storage[i] = PackedFormat::from(format_fields[i], static_cast<const uint8_t*>(sources[i].data_ptr()));
+    formats[i] = &storage[i];
+  }
+  check_operands(q, sources, rows, formats);
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   at::Tensor sinks_f;
   const float* sink_ptr = sink_values(sinks, H, sinks_f);
@@ -808,7 +1071,7 @@ std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std:
                     max_into->scalar_type() == at::kFloat && max_into->is_contiguous() && max_into->device().is_cpu(),
                 "max: expected a contiguous CPU fp32 [R, H] tensor");
   dsattn_native::dispatch_gemm(q.scalar_type(), [&](auto s, auto m) {
-    forward_rows<decltype(s), decltype(m)>(q, sources, rows, sink_ptr, scale, sink_in_lse, out, lse,
+    forward_rows<decltype(s), decltype(m)>(q, sources, rows, formats, sink_ptr, scale, sink_in_lse, out, lse,
                                            max_into.has_value() ? max_into->data_ptr<float>() : nullptr);
   });
   return {out, lse};
@@ -894,19 +1157,25 @@ c10::optional<double> packed_gemm_error(int64_t M, int64_t K, int64_t N) {
   return ((C.to(at::kDouble) - at::matmul(A64, B64)).abs() / bound).max().item<double>();
 }
 
+// test hook: the packed rows' fp8 decode against c10's conversion, all 256 codes
+bool fp8_decode_matches() { return fp8_codes_match(); }
+
 #else  // !DSATTN_HAVE_BRGEMM
 
 std::vector<at::Tensor> sparse_attention_forward(const at::Tensor&, const std::vector<at::Tensor>&,
                                                  const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, double,
-                                                 const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&) {
+                                                 const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, bool,
+                                                 const c10::optional<at::Tensor>&,
+                                                 const std::vector<std::vector<int64_t>>&) {
   TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled attention is not available");
 }
 std::vector<at::Tensor> sparse_attention_backward(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&, const std::vector<at::Tensor>&,
                                                   const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&,
-                                                  double) {
+                                                  double, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled attention is not available");
 }
+bool fp8_decode_matches() { return false; }
 std::string attention_gemm(const std::string&) { return "unavailable"; }
 c10::optional<bool> packed_layout_matches(int64_t, int64_t) { return c10::nullopt; }
 c10::optional<double> packed_gemm_error(int64_t, int64_t, int64_t) { return c10::nullopt; }

@@ -17,7 +17,8 @@ std::vector<torch::Tensor> sparse_attention_forward(const torch::Tensor& q, cons
                                                     const c10::optional<torch::Tensor>& sinks, double scale,
                                                     const c10::optional<torch::Tensor>& out_into,
                                                     const c10::optional<torch::Tensor>& lse_into, bool sink_in_lse,
-                                                    const c10::optional<torch::Tensor>& max_into);
+                                                    const c10::optional<torch::Tensor>& max_into,
+                                                    const std::vector<std::vector<int64_t>>& format_fields);
 std::vector<torch::Tensor> sparse_attention_backward(const torch::Tensor& q, const torch::Tensor& dout,
                                                      const torch::Tensor& out, const torch::Tensor& lse,
                                                      const std::vector<torch::Tensor>& sources,
@@ -25,6 +26,7 @@ std::vector<torch::Tensor> sparse_attention_backward(const torch::Tensor& q, con
                                                      const c10::optional<torch::Tensor>& sinks, double scale,
                                                      const c10::optional<torch::Tensor>& dq_into);
 std::string attention_gemm(const std::string& dtype);
+bool fp8_decode_matches();
 c10::optional<bool> packed_layout_matches(int64_t K, int64_t N);
 c10::optional<double> packed_gemm_error(int64_t M, int64_t K, int64_t N);
 std::vector<torch::Tensor> indexer_topk(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& pages,
@@ -51,7 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fused sparse attention forward over gathered key rows (the golden's rounding points)", pybind11::arg("q"),
         pybind11::arg("sources"), pybind11::arg("rows"), pybind11::arg("sinks"), pybind11::arg("scale"),
         pybind11::arg("out") = pybind11::none(), pybind11::arg("lse") = pybind11::none(),
-        pybind11::arg("sink_in_lse") = true, pybind11::arg("max") = pybind11::none());
+        pybind11::arg("sink_in_lse") = true, pybind11::arg("max") = pybind11::none(),
+        pybind11::arg("formats") = std::vector<std::vector<int64_t>>{});
   m.def("sparse_attention_backward", &sparse_attention_backward,
         "gradients of the fused sparse attention: dq, the key rows' fp32 gradients, dsinks, P's head mean",
         pybind11::arg("q"), pybind11::arg("dout"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("sources"),
@@ -63,6 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_gemm", &attention_gemm, "which GEMM the forward runs for a query dtype: packed or fp32");
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
   m.def("packed_gemm_error", &packed_gemm_error, "test hook: a GEMM through our packed panels against an fp64 matmul");
+  m.def("fp8_decode_matches", &fp8_decode_matches, "test hook: the packed rows' fp8 decode equals c10's for all 256 codes");
   m.def("transposes_match", &dsattn_native::transposes_match,
         "test hook: the 32-bit transposes (scalar and AVX-512 tiles, edges) equal the element loop");
   m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys",

@@ -15,6 +15,7 @@ from ..backend import use_triton
 from ..common.checks import stat_dtype
 from ..common.memory import empty_output
 from ..common.softmax import attend, attention_dtype, round_q, uses_flash
+from ..quant.tokens import PackedTokens
 from .problem import MlaProblem, lse_from_rows, lse_to_rows
 
 
@@ -59,15 +60,24 @@ NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def native_sources(P: MlaProblem):
-    """The compiled forward and each source's key rows as one flat view (None for packed rows,
-    which are decoded as they are gathered), where it applies: CPU tensors of a dtype it takes,
-    the default rounding (not the flash opt-in), the extension built.  Else None."""
+    """The compiled forward and each source as it reads it in place -- its key rows as one flat view,
+    or its packed rows as :class:`PackedTokens` (decoded as the kernel gathers them), or None (rows
+    gathered and decoded here first) --, where it applies: CPU tensors of a dtype it takes, the
+    default rounding (not the flash opt-in), the extension built.  Else None."""
     q = P.q
     if q.device.type != "cpu" or q.dtype not in NATIVE_DTYPES or uses_flash(q.dtype, q.device):
         return None
     from .. import native
     module = native.kernels()
-    return None if module is None else (module, [src.flat_rows() for src in (P.ori, P.cmp) if src is not None])
+    return None if module is None else (module, [_in_place(src, q.dtype) for src in (P.ori, P.cmp) if src is not None])
+
+
+def _in_place(src, q_dtype):
+    if src.decode is None:
+        return src.flat_rows()
+    if src.packed is not None:
+        return PackedTokens.from_rows(src.tensor, src.packed.rope_head_dim, src.packed.tile_size, q_dtype)
+    return None
 
 
 def _native_operands(P: MlaProblem, src, flat, x, addr, mask, k):
@@ -75,9 +85,10 @@ def _native_operands(P: MlaProblem, src, flat, x, addr, mask, k):
     positions, with the block-table checks, when ``k`` carries no addresses); or, for packed /
     strided sources, the block's rows gathered (and decoded) here, numbered in order."""
     if flat is not None:
+        rows = flat.data if isinstance(flat, PackedTokens) else flat
         if addr is None:
-            return flat, src.rows_index(k.batch, x, mask, check=P.content)
-        return flat, src.flat_index(*addr, mask).contiguous()
+            return rows, src.rows_index(k.batch, x, mask, check=P.content)
+        return rows, src.flat_index(*addr, mask).contiguous()
     rows = src.gather(*addr)                                            # [r, W, D], decoded
     r, w = mask.shape
     index = torch.arange(r * w, device=mask.device).view(r, w)
@@ -112,8 +123,9 @@ def native_rows(P: MlaProblem, module, flat, qf, k, t0: int, t1: int, sinks, out
     """``(out [r, H, D] query dtype, lse [r, H] fp32)`` of flattened rows ``[t0, t1)`` over their keys
     ``k`` (:meth:`MlaProblem.keys`) through the compiled kernel; ``sinks`` fp32 or None.  Written
     into ``out`` / ``lse`` when given (contiguous: rows of the op's outputs)."""
+    formats = [f.fields() if isinstance(f, PackedTokens) else [] for f in flat]
     return module.sparse_attention_forward(qf[t0:t1].contiguous(), *_native_keys(P, flat, k), sinks, P.scale,
-                                           out=out, lse=lse)
+                                           out=out, lse=lse, formats=formats if any(formats) else [])
 
 
 def _native_keys(P: MlaProblem, flat, k) -> tuple[list, list]:
@@ -200,7 +212,7 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
     qf, dof, of = rows.flat(q), rows.flat(dout), rows.flat(attn_out)
     lse_rows = lse_to_rows(softmax_lse, rows)
     native = native_sources(P)
-    if native is not None and all(f is not None for f in native[1]):
+    if native is not None and all(isinstance(f, torch.Tensor) for f in native[1]):
         return _backward_native(P, *native, qf, dof, of, lse_rows)
     R, H, D = qf.shape
     Wo = P.ori_width

@@ -2,9 +2,11 @@
 (:mod:`dsattn.flashmla`), and for any caller that holds explicit per-row key lists.
 
 ``q [R, H, D]``; ``sources``: key tensors ``[..., D]`` (K = V; any leading dims, e.g. a paged cache
-``[num_blocks, block_size, 1, D]``; unit stride along D); ``index``: one int64 ``[R, W_i]`` per
-source of flat token numbers over its leading dims (row-major), ``-1`` at a slot without a key (any
-slot: a list need not be compacted).  Per row the keys of every source form one softmax, with the
+``[num_blocks, block_size, 1, D]``; unit stride along D) or packed tokens
+(:class:`dsattn.quant.tokens.PackedTokens`: int8 / fp8 payloads with tile scales, dsattn's packed
+rows or FlashMLA's FP8 layouts); ``index``: one int64 ``[R, W_i]`` per source of flat token numbers
+over its leading dims (row-major), ``-1`` at a slot without a key (any slot: a list need not be
+compacted).  Per row the keys of every source form one softmax, with the
 golden's numerics (00 §8: fp32 scores and statistics, P rounded to the query dtype before P·V, one
 rounding of the output) and the optional per-head sink.  Returns ``(out [R, H, D] in q's dtype,
 lse [R, H] fp32, max [R, H] fp32 or None)``; a row without a key gets out 0 and LSE 0.
@@ -16,9 +18,10 @@ One place picks the implementation, in this order, each saying what it covers:
 
 * ``compiled``: the compiled CPU kernel (dsattn/native/attention.cpp) reads the listed rows in
   place: CPU tensors of bf16 / fp16 / fp32, sources whose rows lie one after another (others have
-  their listed rows gathered first), the extension built;
+  their listed rows gathered first), packed tokens decoded as it gathers them, the extension built;
 * ``triton``: the Triton forward (CUDA tensors, or the interpreter under ``DSATTN_BACKEND=triton``)
-  over element offsets of the listed rows, whatever the sources' strides; without
+  over element offsets of the listed rows, whatever the sources' strides (packed tokens: the listed
+  ones decoded first, block of rows by block); without
   ``sink_in_lse`` or with ``want_max`` it runs without the sink (returning its statistics) and the
   sink scales its output after, in fp32 (the output is rounded twice there);
 * ``torch``: rows in blocks, their keys gathered and attended by :func:`dsattn.common.softmax.attend`.
@@ -31,8 +34,10 @@ import torch
 
 from ..backend import use_triton
 from ..common.softmax import attend, attention_dtype
+from ..quant.tokens import PackedTokens
 
 GATHER_BUDGET = 64 << 20          # bytes of gathered keys per block of rows (the torch path)
+DECODE_BUDGET = 64 << 20          # bytes of decoded packed tokens per block of rows (the Triton path)
 INDEX_BUDGET = 32 << 20           # bytes of int64 key tables per call of a compiled / Triton kernel
 
 
@@ -58,8 +63,11 @@ def flat_rows(t: torch.Tensor) -> torch.Tensor | None:
     return t.as_strided((t.numel() // max(D, 1), D), (D, 1))
 
 
-def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The listed tokens ``[*index.shape, D]`` of ``src`` (``-1``: a zero row, never read)."""
+def gather_rows(src, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The listed tokens ``[*index.shape, D]`` of ``src`` (``-1``: a zero row, never read); packed
+    tokens decoded to ``dtype``."""
+    if isinstance(src, PackedTokens):
+        return src.dequantize(index, dtype)
     valid = index >= 0
     coords = _unravel(torch.where(valid, index, torch.zeros_like(index)), src.shape[:-1])
     rows = src[tuple(coords)]
@@ -84,8 +92,10 @@ class Compiled:
             why.append(f"tensors on {q.device.type}, not the CPU")
         if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             why.append(f"query dtype {q.dtype}")
-        if any(s.dtype != q.dtype for s in sources):
+        if any(not isinstance(s, PackedTokens) and s.dtype != q.dtype for s in sources):
             why.append("key dtype differs from the query's")
+        if any(isinstance(s, PackedTokens) and s.device.type != "cpu" for s in sources):
+            why.append("packed tokens off the CPU")
         if native.kernels() is None:
             why.append(f"compiled layer: {native.status()}")
         return why
@@ -95,15 +105,20 @@ class Compiled:
         from .. import native
         module = native.kernels()
         R = q.size(0)
-        flat = [flat_rows(s) for s in sources]
+        packed = [isinstance(s, PackedTokens) for s in sources]
+        flat = [None if p else flat_rows(s) for s, p in zip(sources, packed)]
+        formats = [s.fields() if p else [] for s, p in zip(sources, packed)] if any(packed) else []
         W = max(1, sum(i.size(1) for i in index))
         step = max(1, min(R, INDEX_BUDGET // (8 * W))) if R else 1
         for t0 in range(0, R, step):
             t1 = min(R, t0 + step)
             rows, tables = [], []
-            for src, f, idx in zip(sources, flat, index):
+            for src, p, f, idx in zip(sources, packed, flat, index):
                 block = idx[t0:t1]
-                if f is not None:
+                if p:                              # the kernel decodes the listed tokens as it reads them
+                    rows.append(src.data)
+                    tables.append(block.contiguous())
+                elif f is not None:
                     rows.append(f)
                     tables.append(block.contiguous())
                 else:                          # rows not laid out one after another: the listed ones
@@ -113,7 +128,7 @@ class Compiled:
                     tables.append(torch.where(block >= 0, seq, torch.full((), -1, device=q.device)))
             module.sparse_attention_forward(q[t0:t1].contiguous(), rows, tables, sinks, scale, out=out[t0:t1],
                                             lse=lse[t0:t1], sink_in_lse=sink_in_lse,
-                                            max=None if mx is None else mx[t0:t1])
+                                            max=None if mx is None else mx[t0:t1], formats=formats)
 
 
 class Triton:
@@ -128,7 +143,7 @@ class Triton:
         from . import triton as kernels
         if not kernels.kernel_covers(q.dtype, q.size(-1), False, *kernels.device_target(q.device)):
             why.append(f"the kernel does not cover dtype {q.dtype} with head dim {q.size(-1)} on this target")
-        if any(s.dtype != q.dtype or s.stride(-1) != 1 for s in sources):
+        if any(not isinstance(s, PackedTokens) and (s.dtype != q.dtype or s.stride(-1) != 1) for s in sources):
             why.append("key rows of another dtype or without unit stride")
         return why
 
@@ -138,19 +153,33 @@ class Triton:
         R, D = q.size(0), q.size(-1)
         qf = q if q.stride(-1) == 1 else q.contiguous()
         stats = mx is not None or (sinks is not None and not sink_in_lse)    # (max, sum) without the sink
-        att = kernels.RowAttention(qf, list(sources), D, None if stats else sinks, scale, stats=stats)
-        o, l, ssum = att.outputs(R)
+        packed = any(isinstance(s, PackedTokens) for s in sources)
         W = max(1, sum(i.size(1) for i in index))
         step = max(1, min(R, INDEX_BUDGET // (8 * W))) if R else 1
-        base = att.base
+        if packed:                                 # the listed tokens decoded per block: keep blocks small
+            step = max(1, min(step, DECODE_BUDGET // (W * D * q.element_size()))) if R else 1
+        att = None
         for t0 in range(0, R, step):
             t1 = min(R, t0 + step)
+            blocks = [idx[t0:t1] for idx in index]
+            plain = []
+            for src, block in zip(sources, blocks):
+                if isinstance(src, PackedTokens):
+                    r, w = block.shape
+                    seq = torch.arange(r * w, device=q.device).view(r, w)
+                    plain.append((src.dequantize(block, q.dtype).reshape(r * w, D),
+                                  torch.where(block >= 0, seq, torch.full((), -1, device=q.device))))
+                else:
+                    plain.append((src, block))
+            if att is None or packed:
+                att = kernels.RowAttention(qf, [t for t, _ in plain], D, None if stats else sinks, scale, stats=stats)
+                if t0 == 0:
+                    o, l, ssum = att.outputs(R)
             parts = []
-            for src, idx in zip(sources, index):
-                block = idx[t0:t1]
+            for src, block in plain:
                 coords = _unravel(torch.where(block >= 0, block, torch.zeros_like(block)), src.shape[:-1])
                 off = sum(c * s for c, s in zip(coords, src.stride()[:-1]))
-                off = off + (src.data_ptr() - base.data_ptr()) // src.element_size()
+                off = off + (src.data_ptr() - att.base.data_ptr()) // src.element_size()
                 parts.append(torch.where(block >= 0, off, torch.full((), -1, dtype=off.dtype, device=off.device)))
             att.run(t0, t1, torch.cat(parts, 1).contiguous(), o, l, ssum)
         if stats:                                 # l holds the rows' maxima, ssum their sums
@@ -183,7 +212,7 @@ class Torch:
         for t0 in range(0, R, step):
             t1 = min(R, t0 + step)
             blocks = [idx[t0:t1] for idx in index]
-            keys = torch.cat([gather_rows(s, b).to(adt) for s, b in zip(sources, blocks)], 1) if blocks else \
+            keys = torch.cat([gather_rows(s, b, q.dtype).to(adt) for s, b in zip(sources, blocks)], 1) if blocks else \
                 q.new_zeros((t1 - t0, 0, D), dtype=adt)
             mask = torch.cat([b >= 0 for b in blocks], 1) if blocks else \
                 torch.zeros(t1 - t0, 0, dtype=torch.bool, device=q.device)
