@@ -197,6 +197,29 @@ def test_native_rejects_rows_out_of_range(native_module):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("H", [16, 64, 72, 128])
+def test_rows_split_over_heads_give_the_whole_rows_bits(gemm_module, H, dtype, gen):
+    """With fewer rows than threads each row's heads are split into groups over the threads (a decode
+    step of one request): every row's bits equal those it gets computed whole, among many rows."""
+    module = gemm_module
+    R, D, W = 6, 80, 300
+    q = torch.randn(R, H, D, generator=gen).to(dtype)
+    src = torch.randn(500, D, generator=gen).to(dtype)
+    rows = torch.randint(0, 500, (R, W), generator=gen)
+    rows[torch.rand(rows.shape, generator=gen) < 0.2] = -1
+    sinks = torch.randn(H, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        whole = module.sparse_attention_forward(q, [src], [rows], sinks, 0.1)           # R >= threads: whole rows
+        for r in range(R):                                                               # one row: heads split
+            alone = module.sparse_attention_forward(q[r:r + 1].contiguous(), [src], [rows[r:r + 1]], sinks, 0.1)
+            assert torch.equal(alone[0][0], whole[0][r]) and torch.equal(alone[1][0], whole[1][r]), r
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "PA_BBND"])
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_indexer_exact_ties_in_the_golden_order(path, layout, paged, dtype):

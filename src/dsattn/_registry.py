@@ -35,8 +35,17 @@ def op_function(name: str, doc: str = ""):
     """A plain Python function with exactly the schema's signature that calls the op."""
     op = getattr(torch.ops.dsattn, name)
     sig = python_signature(name)
+    params = list(sig.parameters.values())
+    positional = sum(p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+    keyword_only = {p.name for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY}
+    required = [p.name for p in params[:positional] if p.default is inspect.Parameter.empty]
 
     def fn(*args, **kwargs):
+        # the common call (the required positionals given, keyword-only arguments by name) goes to
+        # the op as it is: binding it through the signature costs more than a decode step's kernel
+        # on small batches; anything else is bound, so that a wrong call gets Python's TypeError
+        if len(args) >= len(required) and len(args) <= positional and keyword_only.issuperset(kwargs):
+            return op(*args, **kwargs)
         bound = sig.bind(*args, **kwargs)
         return op(*bound.args, **bound.kwargs)
 

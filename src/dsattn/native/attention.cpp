@@ -676,30 +676,51 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
   const scalar_t* qp = q.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   float* lp = lse.data_ptr<float>();
-  dsattn_native::parallel_rows(R, [&](int64_t r) { return tables.cost(r); }, [&](int64_t r0, int64_t r1) {
-    RowAttention<scalar_t, mm_t> work{H, D, round_up(H, 16), round_up(D, 16), static_cast<float>(scale), sinks,
-                                      sink_in_lse};
+  // Rows [r0, r1), heads [h0, h0 + hs) of each: one thread's share.  Heads are independent (each has
+  // its own scores, maximum, sum and output; the GEMMs sum every element over D or over the keys in
+  // the same order whatever the head count), so a row split over head groups gives the bits it
+  // gives whole (test_native_kernels checks it).
+  auto rows_heads = [&](int64_t r0, int64_t r1, int64_t h0, int64_t hs) {
+    RowAttention<scalar_t, mm_t> work{hs, D, round_up(hs, 16), round_up(D, 16), static_cast<float>(scale),
+                                      sinks != nullptr ? sinks + h0 : nullptr, sink_in_lse};
     work.reserve(tables.npad_max(), /*whole_keys=*/!RowAttention<scalar_t, mm_t>::packed);
     std::vector<const scalar_t*> keys;
     std::vector<KeyRef> refs;                    // with packed sources: each key's fields
     (any_packed ? refs.reserve(tables.width) : keys.reserve(tables.width));
     for (int64_t r = r0; r < r1; ++r) {
-      float* mx = row_max != nullptr ? row_max + r * H : nullptr;
+      float* mx = row_max != nullptr ? row_max + r * H + h0 : nullptr;
+      const int64_t at = r * H * D + h0 * D;
       if (any_packed) {
         refs.clear();
         tables.each(r, [&](int i, int64_t t, const scalar_t* row) {
           refs.push_back(formats[i] != nullptr ? packed_key(*formats[i], t)
                                                : KeyRef{reinterpret_cast<const uint8_t*>(row), nullptr, nullptr, nullptr});
         });
-        work.run(qp + r * H * D, refs, op + r * H * D, lp + r * H, mx);
+        work.run(qp + at, refs, op + at, lp + r * H + h0, mx);
       } else {
         keys.clear();
         tables.each(r, [&](int, int64_t, const scalar_t* row) { keys.push_back(row); });
-        work.run(qp + r * H * D, keys, op + r * H * D, lp + r * H, mx);
+        work.run(qp + at, keys, op + at, lp + r * H + h0, mx);
       }
     }
     if (RowAttention<scalar_t, mm_t>::packed) brgemm_release(true);
-  });
+  };
+  // Fewer rows than threads (a decode step of one or a few requests): each row's heads are split into
+  // groups of a multiple of 16 (the GEMM tiles' rows) so that every thread has work.
+  const int64_t threads = at::get_num_threads();
+  const int64_t groups = (R > 0 && R < threads) ? std::min((threads + R - 1) / R, H / 16) : 1;
+  if (groups > 1) {
+    const int64_t hg = round_up((H + groups - 1) / groups, 16), per_row = (H + hg - 1) / hg;
+    at::parallel_for(0, R * per_row, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t h0 = (t % per_row) * hg;
+        rows_heads(t / per_row, t / per_row + 1, h0, std::min(hg, H - h0));
+      }
+    });
+    return;
+  }
+  dsattn_native::parallel_rows(R, [&](int64_t r) { return tables.cost(r); },
+                               [&](int64_t r0, int64_t r1) { rows_heads(r0, r1, 0, H); });
 }
 
 // The element-wise part of the gradient for bf16 operands, rows j < n of S^T / dP^T [n, Hp]:

