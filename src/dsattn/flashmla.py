@@ -139,9 +139,9 @@ class _Scope:
         """Flat pool indices ``[b·s_q, K]`` int64, -1 at every invalid slot (-1 listed, or at / past
         ``topk_length``)."""
         idx = self.idx.to(torch.int64)
-        valid = idx >= 0
-        if self.len is not None:
-            valid &= torch.arange(self.K, device=idx.device)[None] < self.len[:, None]
+        if self.len is None:                       # -1 is the only invalid value the checks let through
+            return idx
+        valid = (idx >= 0) & (torch.arange(self.K, device=idx.device)[None] < self.len[:, None])
         return torch.where(valid, idx, torch.full((), -1, dtype=torch.int64, device=idx.device))
 
     def source(self):
@@ -150,14 +150,13 @@ class _Scope:
         return PackedTokens.from_flashmla(self.cache, self.name) if self.fp8 else self.cache
 
 
-def _attend(q, scopes_or_sources, scale, sinks, want_max=False):
+def _attend(q, scopes_or_sources, scale, sinks):
     """``q [r, h, d]`` over ``[(key rows, table)]``: FlashMLA's results ``(out [r, h, d] q dtype, lse
-    [r, h] without the sink, +inf without a key, max or None)``."""
+    [r, h] without the sink, +inf without a key, max_logits [r, h], -inf without a key)``."""
     sources = [src for src, _ in scopes_or_sources]
     tables = [t for _, t in scopes_or_sources]
-    out, lse, mx = attend_rows(q, sources, tables, scale=scale, sinks=sinks, sink_in_lse=False, want_max=want_max)
-    has_key = torch.cat([t >= 0 for t in tables], 1).any(1, keepdim=True)
-    return out, _lse_fill_empty(lse, has_key), mx
+    out, lse, mx = attend_rows(q, sources, tables, scale=scale, sinks=sinks, sink_in_lse=False, want_max=True)
+    return out, _lse_fill_empty(lse, mx != float("-inf")), mx
 
 
 def _sparse_decode(q, scopes, head_dim_v, scale, attn_sink):
@@ -314,6 +313,6 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     if topk_length is not None:
         valid &= torch.arange(K, device=q.device)[None] < topk_length[:, None]
     table = torch.where(valid, idx, torch.full((), -1, dtype=torch.int64, device=q.device))
-    out, lse, mx = _attend(q, [(kv, table)], float(sm_scale), attn_sink, want_max=True)
+    out, lse, mx = _attend(q, [(kv, table)], float(sm_scale), attn_sink)
     out = out[..., :d_v].contiguous()
     return out, mx, lse
