@@ -86,5 +86,5 @@ def _cpu_attention(module) -> str:
     how = lambda g: "half-precision products, fp32 sums (oneDNN ukernel: AMX / AVX512-BF16)" if g == "packed" \
         else "widened to fp32 GEMMs" + forced   # noqa: E731
     return (f"compiled (dsattn/native/attention.cpp): bf16 {how(gemm['bfloat16'])}; fp16 {how(gemm['float16'])}; "
-            "fp32 GEMMs for fp32 (packed int8 rows are decoded as they are gathered); fp64 queries and the flash "
-            "opt-in keep vectorised PyTorch")
+            "fp32 GEMMs for fp32; packed int8 / fp8 caches (dsattn's rows, FlashMLA's V3.2 / V4 layouts) decoded "
+            "token by token as the kernel gathers them; fp64 queries and the flash opt-in keep vectorised PyTorch")
