@@ -70,7 +70,7 @@ def test_rows_against_math(impl, dtype, sink_in_lse, gen, monkeypatch):
     q, sources, tables, sinks = make_call(gen, dtype)
     assert not IMPLS[impl].reasons(q, sources, False), IMPLS[impl].reasons(q, sources, False)
     monkeypatch.setattr(rows, "choose", lambda *_: IMPLS[impl])
-    out, lse, mx = rows.attend_rows(q, sources, tables, scale=0.3, sinks=sinks, sink_in_lse=sink_in_lse,
+    out, lse, mx, _ = rows.attend_rows(q, sources, tables, scale=0.3, sinks=sinks, sink_in_lse=sink_in_lse,
                                     want_max=True)
     want, want_lse, want_mx = math_reference(q, sources, tables, 0.3, sinks, sink_in_lse)
     assert out.dtype == dtype and not out.isnan().any() and not lse.isnan().any()
@@ -91,7 +91,7 @@ def test_dispatch_order_and_reasons():
     q = torch.randn(2, 3, 8).bfloat16()
     expected = "compiled" if native.kernels() is not None else "torch"
     assert rows.choose(q, [torch.randn(4, 8).bfloat16()]).name == expected
-    out, lse, mx = rows.attend_rows(q[:0], [torch.randn(4, 8).bfloat16()], [torch.zeros(0, 2, dtype=torch.int64)],
+    out, lse, mx, _ = rows.attend_rows(q[:0], [torch.randn(4, 8).bfloat16()], [torch.zeros(0, 2, dtype=torch.int64)],
                                     scale=1.0)
     assert out.shape == (0, 3, 8) and lse.shape == (0, 3) and mx is None
 
@@ -152,7 +152,7 @@ def test_packed_tokens_decoded_as_read(impl, fmt, gen, monkeypatch):
     poison(unread)
     sinks = torch.tensor([INF, -INF, 0.7, -0.3])
     monkeypatch.setattr(rows, "choose", lambda *_: IMPLS[impl])
-    out, lse, mx = rows.attend_rows(q, [src, plain], [t1, t2], scale=0.1, sinks=sinks, sink_in_lse=False,
+    out, lse, mx, _ = rows.attend_rows(q, [src, plain], [t1, t2], scale=0.1, sinks=sinks, sink_in_lse=False,
                                     want_max=True)
     want, want_lse, want_mx = math_reference(q, [decoded, plain], [t1, t2], 0.1, sinks, False)
     assert not out.isnan().any()
@@ -160,7 +160,7 @@ def test_packed_tokens_decoded_as_read(impl, fmt, gen, monkeypatch):
                                   max_cos_diff=None)
     assert testing.fp32_math_close(lse, want_lse) and testing.fp32_math_close(mx, want_mx)
     # decoding as read gives the very keys the golden decodes: bit-identical to the same kernel over them
-    same, same_lse, _ = rows.attend_rows(q, [decoded, plain], [t1, t2], scale=0.1, sinks=sinks, sink_in_lse=False)
+    same, same_lse, _, _ = rows.attend_rows(q, [decoded, plain], [t1, t2], scale=0.1, sinks=sinks, sink_in_lse=False)
     assert torch.equal(out, same) and torch.equal(lse, same_lse)
 
 
@@ -210,3 +210,30 @@ def test_packed_operator_decodes_in_the_kernel(payload, monkeypatch):
     want, _ = reference.sparse_attn_sharedkv_packed(c.q, **c.kwargs)
     assert seen and all(f and all(len(x) == 14 for x in f) and set(d) == {torch.uint8} for f, d in seen), seen
     assert testing.compare(out, want)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_softmax_statistics(impl, gen, monkeypatch):
+    """want_stats: each row's softmax shift m = max(scores, finite sinks) (0 where nothing is finite)
+    and denominator l (sink included: +inf for a +inf sink), 0 and 0 for a row without a key; the
+    outputs equal the call without statistics."""
+    if impl == "compiled" and native.kernels() is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    if impl == "triton":
+        monkeypatch.setenv("DSATTN_BACKEND", "triton")
+    q, sources, tables, sinks = make_call(gen, torch.bfloat16)
+    monkeypatch.setattr(rows, "choose", lambda *_: IMPLS[impl])
+    out, lse, _, st = rows.attend_rows(q, sources, tables, scale=0.3, sinks=sinks, want_stats=True)
+    plain, plain_lse, _, none = rows.attend_rows(q, sources, tables, scale=0.3, sinks=sinks)
+    assert none is None and st.shape == (2, q.size(0), q.size(1))
+    assert testing.compare(out, plain) and testing.fp32_math_close(lse, plain_lse)
+    _, _, mx = math_reference(q, sources, tables, 0.3, sinks, True)
+    finite = torch.where(torch.isfinite(sinks), sinks, torch.full_like(sinks, -INF)).double()
+    m = torch.maximum(mx, finite[None])
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    has = torch.cat([t >= 0 for t in tables], 1).any(1)[:, None]
+    want_m = torch.where(has, m, torch.zeros_like(m))
+    assert testing.fp32_math_close(st[0], want_m)
+    want_l = torch.where(has, torch.exp(plain_lse.double() - m), torch.zeros_like(m))   # lse = m + log l
+    want_l[:, 0] = torch.where(has[:, 0], INF, 0.0)                                     # the +inf sink
+    assert testing.nonfinite_match(st[1], want_l) and testing.fp32_math_close(st[1], want_l)

@@ -155,7 +155,7 @@ def _attend(q, scopes_or_sources, scale, sinks):
     [r, h] without the sink, +inf without a key, max_logits [r, h], -inf without a key)``."""
     sources = [src for src, _ in scopes_or_sources]
     tables = [t for _, t in scopes_or_sources]
-    out, lse, mx = attend_rows(q, sources, tables, scale=scale, sinks=sinks, sink_in_lse=False, want_max=True)
+    out, lse, mx, _ = attend_rows(q, sources, tables, scale=scale, sinks=sinks, sink_in_lse=False, want_max=True)
     return out, _lse_fill_empty(lse, mx != float("-inf")), mx
 
 

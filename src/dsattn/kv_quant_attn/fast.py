@@ -16,6 +16,8 @@ from ..common.checks import content_checks_enabled
 from ..common.memory import empty_output
 from ..common.softmax import round_q, softmax_with_sink
 from ..quant.rows import KV_LORA_RANK, TILE_SIZE, unpack_kv_rows
+from ..quant.tokens import PackedTokens
+from ..sparse_mla import rows
 from .problem import QsfaProblem
 
 BUDGET_BYTES = 32 << 20
@@ -45,11 +47,52 @@ def _rows_per_block(P: QsfaProblem) -> int:
     return max(1, min(P.rows.R, BUDGET_BYTES // max(per_row, 1)))
 
 
+def compiled_tokens(P: QsfaProblem):
+    """The packed cache as the compiled CPU kernel reads it in place (each listed token decoded as it
+    is gathered), where that kernel runs: CPU, half-precision queries, rows one after another."""
+    q = P.query
+    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    tokens = PackedTokens.from_rows(P.kv.tensor, P.R, TILE_SIZE, q.dtype)
+    if tokens is None or rows.Compiled.reasons(q, [tokens], False):
+        return None
+    return tokens
+
+
+def _forward_compiled(P: QsfaProblem, tokens, want_stats: bool):
+    """Rows in blocks: each row's candidate tokens as index tables, attended by the compiled kernel
+    (K = the 576-wide key, V its first 512 columns: the dequantised nope part), which also returns
+    the softmax's shift and denominator (softmax_max / softmax_sum)."""
+    q = P.query
+    qf = P.rows.flat(q)
+    R, H, _ = qf.shape
+    out = empty_output(R, H, KV_LORA_RANK, dtype=q.dtype, device=q.device)
+    stats = torch.empty(2, R, H, dtype=torch.float32, device=q.device)
+    step = max(1, min(R, (32 << 20) // (24 * max(P.width, 1))))   # the key addresses of a block: ~24 B a slot
+    check = content_checks_enabled(P.query, P.kv.tensor)
+    for t0 in range(0, R, step):
+        t1 = min(R, t0 + step)
+        b, tok, mask = candidate_tokens(P, t0, t1)
+        flat = P.kv.flat_index(*P.kv.locate(b[:, None], tok, mask, check=check), mask)
+        o, _, _, st = rows.attend_rows(qf[t0:t1], [tokens], [flat.contiguous()], scale=P.scale, sinks=P.sinks,
+                                       want_stats=True)
+        out[t0:t1] = o[..., :KV_LORA_RANK]
+        stats[:, t0:t1] = st
+    attn = P.rows.unflat(out, q)
+    if not want_stats:
+        empty = torch.zeros(0, dtype=torch.float32, device=q.device)
+        return attn, empty, empty.clone()
+    return attn, stats[0].reshape(P.stats_shape()), stats[1].reshape(P.stats_shape())
+
+
 def forward(P: QsfaProblem, want_stats: bool):
     if use_triton(P.query.device):
         from . import triton as triton_kernels                # imported only when Triton runs
         if triton_kernels.supports(P):
             return triton_kernels.forward(P, want_stats)
+    tokens = compiled_tokens(P)
+    if tokens is not None:
+        return _forward_compiled(P, tokens, want_stats)
     q = P.query
     qf = P.rows.flat(q)
     R, H, _ = qf.shape

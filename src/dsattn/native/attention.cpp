@@ -569,15 +569,20 @@ struct RowAttention {
     }
   }
 
-  // One query row over its gathered keys -> out [H, D] (query dtype), lse [H]; row_max [H] (when not
-  // null): the maximum scaled score, without the sink (-inf for a row without a key).
+  // One query row over its gathered keys -> out [H, D] (query dtype), lse [H]; when not null,
+  // row_max [H]: the maximum scaled score, without the sink (-inf for a row without a key), and
+  // stat_max / stat_sum [H]: the softmax's shift m and denominator l, sink included (0 and 0 for a
+  // row without a key: kv_quant_sparse_flash_attention's softmax_max / softmax_sum).
   template <typename Key>
-  void run(const scalar_t* q, const std::vector<Key>& rows, scalar_t* out, float* lse, float* row_max = nullptr) {
+  void run(const scalar_t* q, const std::vector<Key>& rows, scalar_t* out, float* lse, float* row_max = nullptr,
+           float* stat_max = nullptr, float* stat_sum = nullptr) {
     const int64_t n = static_cast<int64_t>(rows.size());
     if (n == 0) {                                   // no key: O = 0, lse = 0
       std::fill(out, out + H * D, scalar_t(0));
       std::fill(lse, lse + H, 0.0f);
       if (row_max != nullptr) std::fill(row_max, row_max + H, -std::numeric_limits<float>::infinity());
+      if (stat_max != nullptr) std::fill(stat_max, stat_max + H, 0.0f);
+      if (stat_sum != nullptr) std::fill(stat_sum, stat_sum + H, 0.0f);
       return;
     }
     const int64_t npad = round_up(n, KEY_ALIGN);
@@ -620,6 +625,8 @@ struct RowAttention {
       const float den = l[h] + (sinks != nullptr ? std::exp(sinks[h] - m[h]) : 0.0f);
       inv[h] = 1.0f / den;
       lse[h] = m[h] + std::log(sink_in_lse ? den : l[h]);
+      if (stat_max != nullptr) stat_max[h] = m[h];
+      if (stat_sum != nullptr) stat_sum[h] = den;
     }
     store(inv, out);
   }
@@ -669,7 +676,7 @@ struct KeyTables {
 template <typename scalar_t, typename mm_t>
 void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows,
                   const std::vector<const PackedFormat*>& formats, const float* sinks, double scale, bool sink_in_lse,
-                  at::Tensor& out, at::Tensor& lse, float* row_max) {
+                  at::Tensor& out, at::Tensor& lse, float* row_max, float* stat_max, float* stat_sum) {
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const KeyTables<scalar_t> tables(sources, rows, D);
   const bool any_packed = std::any_of(formats.begin(), formats.end(), [](const PackedFormat* f) { return f != nullptr; });
@@ -689,6 +696,8 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
     (any_packed ? refs.reserve(tables.width) : keys.reserve(tables.width));
     for (int64_t r = r0; r < r1; ++r) {
       float* mx = row_max != nullptr ? row_max + r * H + h0 : nullptr;
+      float* smax = stat_max != nullptr ? stat_max + r * H + h0 : nullptr;
+      float* ssum = stat_sum != nullptr ? stat_sum + r * H + h0 : nullptr;
       const int64_t at = r * H * D + h0 * D;
       if (any_packed) {
         refs.clear();
@@ -696,11 +705,11 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
           refs.push_back(formats[i] != nullptr ? packed_key(*formats[i], t)
                                                : KeyRef{reinterpret_cast<const uint8_t*>(row), nullptr, nullptr, nullptr});
         });
-        work.run(qp + at, refs, op + at, lp + r * H + h0, mx);
+        work.run(qp + at, refs, op + at, lp + r * H + h0, mx, smax, ssum);
       } else {
         keys.clear();
         tables.each(r, [&](int, int64_t, const scalar_t* row) { keys.push_back(row); });
-        work.run(qp + at, keys, op + at, lp + r * H + h0, mx);
+        work.run(qp + at, keys, op + at, lp + r * H + h0, mx, smax, ssum);
       }
     }
     if (RowAttention<scalar_t, mm_t>::packed) brgemm_release(true);
@@ -1058,14 +1067,16 @@ const float* sink_values(const c10::optional<at::Tensor>& sinks, int64_t H, at::
 // output still includes it), as FlashMLA reports it.  max_into (fp32 [R, H], contiguous): each row's
 // maximum scaled score without the sink, -inf for a row without a key (FlashMLA's max_logits).
 // format_fields: per source, empty for rows of q's dtype, or the PackedFormat fields of a packed
-// source (its bytes; index entries are its token numbers), decoded in the gather.
+// source (its bytes; index entries are its token numbers), decoded in the gather.  stats_into (fp32
+// [2, R, H], contiguous): the softmax's shift and denominator, sink included (0 and 0 without a key).
 std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std::vector<at::Tensor>& sources,
                                                  const std::vector<at::Tensor>& rows,
                                                  const c10::optional<at::Tensor>& sinks, double scale,
                                                  const c10::optional<at::Tensor>& out_into,
                                                  const c10::optional<at::Tensor>& lse_into, bool sink_in_lse,
                                                  const c10::optional<at::Tensor>& max_into,
-                                                 const std::vector<std::vector<int64_t>>& format_fields) {
+                                                 const std::vector<std::vector<int64_t>>& format_fields,
+                                                 const c10::optional<at::Tensor>& stats_into) {
   TORCH_CHECK(format_fields.empty() || format_fields.size() == sources.size(),
               "formats: one per source (an empty one for rows of q's dtype)");
   std::vector<PackedFormat> storage(format_fields.size());
@@ -1091,9 +1102,16 @@ std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std:
     TORCH_CHECK(max_into->dim() == 2 && max_into->size(0) == R && max_into->size(1) == H &&
                     max_into->scalar_type() == at::kFloat && max_into->is_contiguous() && max_into->device().is_cpu(),
                 "max: expected a contiguous CPU fp32 [R, H] tensor");
+  if (stats_into.has_value())
+    TORCH_CHECK(stats_into->dim() == 3 && stats_into->size(0) == 2 && stats_into->size(1) == R &&
+                    stats_into->size(2) == H && stats_into->scalar_type() == at::kFloat && stats_into->is_contiguous() &&
+                    stats_into->device().is_cpu(),
+                "stats: expected a contiguous CPU fp32 [2, R, H] tensor");
   dsattn_native::dispatch_gemm(q.scalar_type(), [&](auto s, auto m) {
+    float* stats = stats_into.has_value() ? stats_into->data_ptr<float>() : nullptr;
     forward_rows<decltype(s), decltype(m)>(q, sources, rows, formats, sink_ptr, scale, sink_in_lse, out, lse,
-                                           max_into.has_value() ? max_into->data_ptr<float>() : nullptr);
+                                           max_into.has_value() ? max_into->data_ptr<float>() : nullptr, stats,
+                                           stats != nullptr ? stats + R * H : nullptr);
   });
   return {out, lse};
 }
@@ -1187,7 +1205,7 @@ std::vector<at::Tensor> sparse_attention_forward(const at::Tensor&, const std::v
                                                  const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, double,
                                                  const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, bool,
                                                  const c10::optional<at::Tensor>&,
-                                                 const std::vector<std::vector<int64_t>>&) {
+                                                 const std::vector<std::vector<int64_t>>&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled attention is not available");
 }
 std::vector<at::Tensor> sparse_attention_backward(const at::Tensor&, const at::Tensor&, const at::Tensor&,

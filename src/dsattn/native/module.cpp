@@ -18,7 +18,8 @@ std::vector<torch::Tensor> sparse_attention_forward(const torch::Tensor& q, cons
                                                     const c10::optional<torch::Tensor>& out_into,
                                                     const c10::optional<torch::Tensor>& lse_into, bool sink_in_lse,
                                                     const c10::optional<torch::Tensor>& max_into,
-                                                    const std::vector<std::vector<int64_t>>& format_fields);
+                                                    const std::vector<std::vector<int64_t>>& format_fields,
+                                                    const c10::optional<torch::Tensor>& stats_into);
 std::vector<torch::Tensor> sparse_attention_backward(const torch::Tensor& q, const torch::Tensor& dout,
                                                      const torch::Tensor& out, const torch::Tensor& lse,
                                                      const std::vector<torch::Tensor>& sources,
@@ -54,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("sources"), pybind11::arg("rows"), pybind11::arg("sinks"), pybind11::arg("scale"),
         pybind11::arg("out") = pybind11::none(), pybind11::arg("lse") = pybind11::none(),
         pybind11::arg("sink_in_lse") = true, pybind11::arg("max") = pybind11::none(),
-        pybind11::arg("formats") = std::vector<std::vector<int64_t>>{});
+        pybind11::arg("formats") = std::vector<std::vector<int64_t>>{}, pybind11::arg("stats") = pybind11::none());
   m.def("sparse_attention_backward", &sparse_attention_backward,
         "gradients of the fused sparse attention: dq, the key rows' fp32 gradients, dsinks, P's head mean",
         pybind11::arg("q"), pybind11::arg("dout"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("sources"),

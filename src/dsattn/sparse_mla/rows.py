@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import use_triton
-from ..common.softmax import attend, attention_dtype
+from ..common.softmax import attend, attention_dtype, round_q, softmax_with_sink
 from ..quant.tokens import PackedTokens
 
 GATHER_BUDGET = 64 << 20          # bytes of gathered keys per block of rows (the torch path)
@@ -101,7 +101,7 @@ class Compiled:
         return why
 
     @staticmethod
-    def run(q, sources, index, sinks, scale, sink_in_lse, out, lse, mx):
+    def run(q, sources, index, sinks, scale, sink_in_lse, out, lse, mx, st=None):
         from .. import native
         module = native.kernels()
         R = q.size(0)
@@ -113,6 +113,7 @@ class Compiled:
         for t0 in range(0, R, step):
             t1 = min(R, t0 + step)
             rows, tables = [], []
+            block_stats = None if st is None else torch.empty(2, t1 - t0, q.size(1), device=q.device)
             for src, p, f, idx in zip(sources, packed, flat, index):
                 block = idx[t0:t1]
                 if p:                              # the kernel decodes the listed tokens as it reads them
@@ -128,7 +129,10 @@ class Compiled:
                     tables.append(torch.where(block >= 0, seq, torch.full((), -1, device=q.device)))
             module.sparse_attention_forward(q[t0:t1].contiguous(), rows, tables, sinks, scale, out=out[t0:t1],
                                             lse=lse[t0:t1], sink_in_lse=sink_in_lse,
-                                            max=None if mx is None else mx[t0:t1], formats=formats)
+                                            max=None if mx is None else mx[t0:t1], formats=formats,
+                                            stats=None if st is None else block_stats)
+            if st is not None:
+                st[:, t0:t1] = block_stats
 
 
 class Triton:
@@ -148,41 +152,22 @@ class Triton:
         return why
 
     @staticmethod
-    def run(q, sources, index, sinks, scale, sink_in_lse, out, lse, mx):
+    def run(q, sources, index, sinks, scale, sink_in_lse, out, lse, mx, st=None):
         from . import triton as kernels
         R, D = q.size(0), q.size(-1)
         qf = q if q.stride(-1) == 1 else q.contiguous()
-        stats = mx is not None or (sinks is not None and not sink_in_lse)    # (max, sum) without the sink
-        packed = any(isinstance(s, PackedTokens) for s in sources)
-        W = max(1, sum(i.size(1) for i in index))
-        step = max(1, min(R, INDEX_BUDGET // (8 * W))) if R else 1
-        if packed:                                 # the listed tokens decoded per block: keep blocks small
-            step = max(1, min(step, DECODE_BUDGET // (W * D * q.element_size()))) if R else 1
-        att = None
-        for t0 in range(0, R, step):
-            t1 = min(R, t0 + step)
-            blocks = [idx[t0:t1] for idx in index]
-            plain = []
-            for src, block in zip(sources, blocks):
-                if isinstance(src, PackedTokens):
-                    r, w = block.shape
-                    seq = torch.arange(r * w, device=q.device).view(r, w)
-                    plain.append((src.dequantize(block, q.dtype).reshape(r * w, D),
-                                  torch.where(block >= 0, seq, torch.full((), -1, device=q.device))))
-                else:
-                    plain.append((src, block))
-            if att is None or packed:
-                att = kernels.RowAttention(qf, [t for t, _ in plain], D, None if stats else sinks, scale, stats=stats)
-                if t0 == 0:
-                    o, l, ssum = att.outputs(R)
-            parts = []
-            for src, block in plain:
-                coords = _unravel(torch.where(block >= 0, block, torch.zeros_like(block)), src.shape[:-1])
-                off = sum(c * s for c, s in zip(coords, src.stride()[:-1]))
-                off = off + (src.data_ptr() - att.base.data_ptr()) // src.element_size()
-                parts.append(torch.where(block >= 0, off, torch.full((), -1, dtype=off.dtype, device=off.device)))
-            att.run(t0, t1, torch.cat(parts, 1).contiguous(), o, l, ssum)
-        if stats:                                 # l holds the rows' maxima, ssum their sums
+        if st is not None and (mx is not None or not sink_in_lse):
+            raise ValueError("want_stats: not with want_max or sink_in_lse=False")
+        # (max, sum) from the kernel: without the sink where the LSE or the maxima must leave it out (the
+        # sink then scales the output here), with it for the softmax statistics
+        stats = st is not None or mx is not None or (sinks is not None and not sink_in_lse)
+        in_kernel = sinks if st is not None or not stats else None
+        o, l, ssum = Triton._launch(kernels, qf, sources, index, in_kernel, scale, stats)
+        if st is not None:                         # l holds the shifts, ssum the denominators, sink included
+            st[0].copy_(l)
+            st[1].copy_(ssum)
+            l = torch.where(ssum > 0, l + torch.log(ssum), torch.zeros_like(l))
+        elif stats:                                # l holds the rows' maxima, ssum their sums
             has_key = ssum > 0
             row_max, l = l, torch.where(has_key, l + torch.log(ssum), torch.zeros_like(l))
             if mx is not None:
@@ -194,6 +179,40 @@ class Triton:
         out.copy_(o)
         lse.copy_(l)
 
+    @staticmethod
+    def _launch(kernels, qf, sources, index, sinks, scale, stats):
+        """The kernel over every row in blocks: ``(out, lse or max, sum)`` as RowAttention writes them."""
+        R, D = qf.size(0), qf.size(-1)
+        packed = any(isinstance(s, PackedTokens) for s in sources)
+        W = max(1, sum(i.size(1) for i in index))
+        step = max(1, min(R, INDEX_BUDGET // (8 * W))) if R else 1
+        if packed:                                 # the listed tokens decoded per block: keep blocks small
+            step = max(1, min(step, DECODE_BUDGET // (W * D * qf.element_size()))) if R else 1
+        att = None
+        for t0 in range(0, R, step):
+            t1 = min(R, t0 + step)
+            plain = []
+            for src, block in zip(sources, (idx[t0:t1] for idx in index)):
+                if isinstance(src, PackedTokens):
+                    r, w = block.shape
+                    seq = torch.arange(r * w, device=qf.device).view(r, w)
+                    plain.append((src.dequantize(block, qf.dtype).reshape(r * w, D),
+                                  torch.where(block >= 0, seq, torch.full((), -1, device=qf.device))))
+                else:
+                    plain.append((src, block))
+            if att is None or packed:
+                att = kernels.RowAttention(qf, [t for t, _ in plain], D, sinks, scale, stats=stats)
+                if t0 == 0:
+                    o, l, ssum = att.outputs(R)
+            parts = []
+            for src, block in plain:
+                coords = _unravel(torch.where(block >= 0, block, torch.zeros_like(block)), src.shape[:-1])
+                off = sum(c * s for c, s in zip(coords, src.stride()[:-1]))
+                off = off + (src.data_ptr() - att.base.data_ptr()) // src.element_size()
+                parts.append(torch.where(block >= 0, off, torch.full((), -1, dtype=off.dtype, device=off.device)))
+            att.run(t0, t1, torch.cat(parts, 1).contiguous(), o, l, ssum)
+        return o, l, ssum
+
 
 class Torch:
     name = "torch"
@@ -203,9 +222,11 @@ class Torch:
         return []
 
     @staticmethod
-    def run(q, sources, index, sinks, scale, sink_in_lse, out, lse, mx):
+    def run(q, sources, index, sinks, scale, sink_in_lse, out, lse, mx, st=None):
         R, H, D = q.shape
-        adt = attention_dtype(q)
+        adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if st is None:
+            adt = attention_dtype(q)
         W = max(1, sum(i.size(1) for i in index))
         step = max(1, min(R, GATHER_BUDGET // (W * D * torch.finfo(adt).bits // 8 * 3))) if R else 1
         sink_f = None if sinks is None else sinks.to(adt)
@@ -217,6 +238,17 @@ class Torch:
             mask = torch.cat([b >= 0 for b in blocks], 1) if blocks else \
                 torch.zeros(t1 - t0, 0, dtype=torch.bool, device=q.device)
             row_ok = torch.ones(t1 - t0, dtype=torch.bool, device=q.device)
+            if st is not None:                     # the softmax's shift and denominator too
+                e, den, m = softmax_with_sink(scale * torch.einsum("rhd,rwd->rhw", q[t0:t1].to(adt), keys), mask,
+                                              sink_f)
+                has = mask.any(1, keepdim=True)
+                o = torch.einsum("rhw,rwd->rhd", round_q(e, q.dtype), keys) / den[..., None]
+                o = torch.where(has[..., None], o, torch.zeros((), dtype=adt, device=q.device))
+                st[0, t0:t1] = torch.where(has, m, torch.zeros((), dtype=adt, device=q.device)).float()
+                st[1, t0:t1] = torch.where(has, den, torch.zeros((), dtype=adt, device=q.device)).float()
+                out[t0:t1] = o.to(q.dtype)
+                lse[t0:t1] = torch.where(has, m + torch.log(den), torch.zeros((), dtype=adt, device=q.device)).float()
+                continue
             o, l = attend(q[t0:t1].to(adt), keys, mask, sink_f if sink_in_lse else None, scale, q.dtype, row_ok)
             if sinks is not None and not sink_in_lse:
                 o = _apply_sink(o, l, sink_f, mask.any(1, keepdim=True))
@@ -245,12 +277,14 @@ def explain(q: torch.Tensor, sources) -> list[tuple[str, list[str]]]:
 
 
 def attend_rows(q: torch.Tensor, sources, index, *, scale: float, sinks: torch.Tensor | None = None,
-                sink_in_lse: bool = True, want_max: bool = False):
-    """See the module's docstring."""
+                sink_in_lse: bool = True, want_max: bool = False, want_stats: bool = False):
+    """See the module's docstring.  ``want_stats``: the 4th result is ``[2, R, H]`` fp32, each row's
+    softmax shift ``m`` and denominator ``l`` (sink included; 0 and 0 without a key), else None."""
     R, H, D = q.shape
     out = torch.empty(R, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(R, H, dtype=torch.float32, device=q.device)
     mx = torch.empty(R, H, dtype=torch.float32, device=q.device) if want_max else None
+    st = torch.empty(2, R, H, dtype=torch.float32, device=q.device) if want_stats else None
     if R:
-        choose(q, sources).run(q, list(sources), list(index), sinks, float(scale), sink_in_lse, out, lse, mx)
-    return out, lse, mx
+        choose(q, sources).run(q, list(sources), list(index), sinks, float(scale), sink_in_lse, out, lse, mx, st)
+    return out, lse, mx, st
