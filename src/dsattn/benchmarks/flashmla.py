@@ -1,6 +1,7 @@
 """FlashMLA's API (:mod:`dsattn.flashmla`) against the operators on the same work: the same queries,
 keys, sinks and scale, each through its own interface (FlashMLA's flat pool indices and FP8 cache
-layouts; the operators' block tables and packed rows).  The ratio is the API's time over the
+layouts; the operators' block tables and packed rows): V4 CSA decode (bf16, FP8 V4), V3.2 decode
+(FP8 V3.2 against QSFA), a V4 CSA prefill.  The ratio is the API's time over the
 operator's; the outputs are checked to agree (the bf16 cross-order rule)."""
 from __future__ import annotations
 
@@ -82,6 +83,37 @@ def decode_rows(results, B=32, fixed=65536, calls=DECODE_CALLS):
                           extra={"matches_operator": match}))
 
 
+def v32_decode_rows(results, B=32, topk=2048, ctx=65536, heads=128, block=64, pool_blocks=512, calls=DECODE_CALLS):
+    """V3.2 decode (128 heads, d 576, value 512, top-2048 of the context) over FlashMLA's V3.2 FP8 cache
+    (656 B / token) against ``kv_quant_sparse_flash_attention`` over dsattn's packed rows holding the
+    same payload, scales and rope (656 B too, another field order)."""
+    g = torch.Generator().manual_seed(3)
+    keys = (torch.randn(pool_blocks, block, 1, 576, generator=g) * 0.5).bfloat16()
+    v32 = F.quantize_cache(keys, F.V32)
+    rows = F.to_packed_rows(v32)
+    table = torch.randint(0, pool_blocks, (B, ctx // block), generator=g, dtype=torch.int32)
+    pos = torch.rand(B, ctx, generator=g).topk(topk, -1).indices                   # distinct positions
+    q = (torch.randn(B, 1, heads, 576, generator=g) * 0.1).bfloat16()
+    idx = pos.to(torch.int32).view(B, 1, 1, topk)
+    scale = 576 ** -0.5
+    kw = dict(block_table=table, actual_seq_lengths_kv=torch.full((B,), ctx, dtype=torch.int32),
+              layout_query="BSND", layout_kv="PA_BSND", sparse_mode=3, scale_value=scale, rope_head_dim=64)
+    flat = pool_indices(table, pos, block).view(B, 1, topk)
+    meta, _ = flashmla.get_mla_metadata()
+    op = lambda: ops.kv_quant_sparse_flash_attention(q, rows, rows, idx, **kw)[0]      # noqa: E731
+    api = lambda: flashmla.flash_mla_with_kvcache(q, v32, None, None, 512, meta, softmax_scale=scale,  # noqa: E731
+                                                  is_fp8_kvcache=True, indices=flat)[0]
+    flops = 2 * B * heads * topk * (576 + 512)
+    nbytes = B * topk * 656 + B * heads * (576 + 512) * 2
+    t_op, t_api = timeit(op, repeat=calls), timeit(api, repeat=calls)
+    match = bool(compare(api(), op()))
+    name = f"decode V3.2 B{B} top-{topk} @{ctx // 1024}K FP8 656 B"
+    results.append(Result("flashmla", name, "kv_quant_sparse_flash_attention (operator)", t_op, flops / 1e9,
+                          bytes=nbytes))
+    results.append(Result("flashmla", name, "flash_mla_with_kvcache (V3.2 layout)", t_api, flops / 1e9, bytes=nbytes,
+                          note=f"API / operator {t_api / t_op:.2f}x", extra={"matches_operator": match}))
+
+
 def prefill_rows(results, L=4096):
     """A V4 CSA prefill as FlashMLA's sparse prefill: one key buffer (raw rows, then compressed rows)
     and per query row its 128 window rows and top-512 compressed rows as indices into it."""
@@ -108,8 +140,10 @@ def run(smoke: bool = False, results=None) -> list[Result]:
     results = [] if results is None else results
     if smoke:
         decode_rows(results, B=2, fixed=4096, calls=1)
+        v32_decode_rows(results, B=2, topk=64, ctx=1024, heads=16, pool_blocks=32, calls=1)
         prefill_rows(results, L=256)
     else:
         decode_rows(results)
+        v32_decode_rows(results)
         prefill_rows(results)
     return results
