@@ -72,9 +72,24 @@ def describe() -> str:
              "CPU compressor pooling: " + ("compiled (dsattn/native/compressor.cpp): each output row's gated softmax "
                                           "over its slots in one call" if native.load() is not None else
                                           "vectorised PyTorch"),
+             "FlashMLA's API (sparse_mla.rows), a bf16 CPU call: " + _rows_dispatch(),
              f"metadata planner: {native.status()}"
              + ("" if native.load() is not None else "; the NumPy fast planner runs")]
     return "\n".join(lines)
+
+
+def _rows_dispatch() -> str:
+    """The implementation ``sparse_mla.rows`` picks for a small bf16 CPU call, and why each one before
+    it in the dispatch order does not run."""
+    from .sparse_mla import rows
+    q = torch.zeros(1, 16, 64, dtype=torch.bfloat16)
+    chosen = rows.choose(q, [torch.zeros(4, 64, dtype=torch.bfloat16)]).name
+    skipped = []
+    for name, why in rows.explain(q, [torch.zeros(4, 64, dtype=torch.bfloat16)]):
+        if name == chosen:
+            break
+        skipped.append(f"{name}: {'; '.join(why)}")
+    return chosen + (f" (not {', '.join(skipped)})" if skipped else "")
 
 
 def _cpu_attention(module) -> str:
