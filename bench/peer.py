@@ -22,26 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 
 # this folder holds bench/profile.py, which would shadow the standard library's profile module (vLLM
 # imports cProfile): the script does not import its neighbours, so the folder leaves the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-
-def median_ms(fn, calls: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def block_bytes_2d(cache: torch.Tensor) -> torch.Tensor:
@@ -56,51 +43,32 @@ def block_bytes_2d(cache: torch.Tensor) -> torch.Tensor:
 def one(ratio: int, B: int, ctx: int, calls: int):
     from dsattn import flashmla, ops, testing
     from dsattn.benchmarks import workloads
-    from dsattn.benchmarks.flashmla import pool_indices
+    from dsattn.benchmarks.flashmla import decode_call
+    from dsattn.benchmarks.harness import timeit
     from dsattn.quant import flashmla as F
 
     q, kw, _, _ = workloads.decode(B=B, ratio=ratio, fixed=ctx, seed=5)
-    H, D = q.size(2), q.size(3)
-    qt = q.reshape(B, H, D)
-    S2o = kw["seqused_ori_kv"].to(torch.int64)
-    win = S2o[:, None] - workloads.WINDOW + torch.arange(workloads.WINDOW)[None]
-    win = torch.where(win >= 0, win, -1)
-    win_slots = pool_indices(kw["ori_block_table"], win, kw["ori_kv"].size(1)).to(torch.int64)
-    if ratio == 4:
-        local = kw["cmp_sparse_indices"].reshape(B, -1).to(torch.int64)
-    else:
-        n = kw["seqused_cmp_kv"].to(torch.int64)
-        width = int(n.max())
-        ar = torch.arange(width)[None].expand(B, width)
-        local = torch.where(ar < n[:, None], ar, -1)
-    cmp_slots = pool_indices(kw["cmp_block_table"], local, kw["cmp_kv"].size(1)).to(torch.int64)
+    D = q.size(3)
+    call = decode_call(q, kw)                   # FlashMLA's flat pool indices of the step's tokens
+    win_slots = call["indices"].view(B, -1).to(torch.int64)
+    cmp_slots = call["extra_indices_in_kvcache"].view(B, -1).to(torch.int64)
     ori8, cmp8 = F.quantize_cache(kw["ori_kv"], F.V4), F.quantize_cache(kw["cmp_kv"], F.V4)
-    sinks, scale = kw["sinks"], kw["softmax_scale"]
+    qt, plain = workloads.sharedkv_args(q, kw)
+    _, packed = workloads.sharedkv_args(q, kw, F.to_packed_rows(ori8), F.to_packed_rows(cmp8))
 
-    out_vllm = torch.empty(B, H, D, dtype=q.dtype)
+    out_vllm = torch.empty_like(qt)
     w2d, c2d = block_bytes_2d(ori8), block_bytes_2d(cmp8)
 
     def vllm():
         torch.ops._C.flash_mla_with_kvcache_cpu(out_vllm, qt, w2d, win_slots, ori8.size(1), c2d, cmp_slots,
-                                               cmp8.size(1), sinks, scale)
+                                               cmp8.size(1), kw["sinks"], kw["softmax_scale"])
         return out_vllm
 
     meta, _ = flashmla.get_mla_metadata()
 
     def api():
-        return flashmla.flash_mla_with_kvcache(q, ori8, None, None, D, meta, softmax_scale=scale, is_fp8_kvcache=True,
-                                               indices=win_slots.to(torch.int32).view(B, 1, -1), attn_sink=sinks,
-                                               extra_k_cache=cmp8,
-                                               extra_indices_in_kvcache=cmp_slots.to(torch.int32).view(B, 1, -1))[0][:, 0]
-
-    shared = dict(ori_block_table=kw["ori_block_table"], seqused_kv=kw["seqused_ori_kv"],
-                  cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32), sinks=sinks, softmax_scale=scale,
-                  ori_win_left=kw["ori_win_left"], layout_q="TND", layout_kv="PA_ND",
-                  cmp_block_table=kw["cmp_block_table"], cmp_ratio=ratio)
-    if ratio == 4:
-        shared["cmp_sparse_indices"] = kw["cmp_sparse_indices"].reshape(B, 1, -1)
-    packed = dict(shared, ori_kv=F.to_packed_rows(ori8), cmp_kv=F.to_packed_rows(cmp8))
-    plain = dict(shared, ori_kv=kw["ori_kv"], cmp_kv=kw["cmp_kv"])
+        return flashmla.flash_mla_with_kvcache(q, ori8, None, None, D, meta, is_fp8_kvcache=True, extra_k_cache=cmp8,
+                                               **call)[0][:, 0]
 
     def packed_op():
         return ops.sparse_attn_sharedkv_packed(qt, kv_rope_dim=64, kv_tile_size=64, **packed)[0]
@@ -115,7 +83,7 @@ def one(ratio: int, B: int, ctx: int, calls: int):
                      ("dsattn flash_mla_with_kvcache (FP8 584 B)", api),
                      ("dsattn sparse_attn_sharedkv_packed (FP8 604 B)", packed_op),
                      ("dsattn sparse_attn_sharedkv (bf16 1024 B)", bf16_op)):
-        ms = median_ms(fn, calls)
+        ms = timeit(fn, repeat=calls, warmup=2) * 1e3
         diff = float((fn().float() - ref.float()).abs().max()) / scale_out
         rows.append((name, ms, diff))
     agree = bool(testing.compare(api(), packed_op()))

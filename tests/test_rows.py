@@ -240,3 +240,24 @@ def test_softmax_statistics(impl, gen, monkeypatch):
     want_l = torch.where(has, torch.exp(plain_lse.double() - m), torch.zeros_like(m))   # lse = m + log l
     want_l[:, 0] = torch.where(has[:, 0], INF, 0.0)                                     # the +inf sink
     assert testing.nonfinite_match(st[1], want_l) and testing.fp32_math_close(st[1], want_l)
+
+
+def test_attend_rows_errors():
+    q = torch.randn(2, 3, 8).bfloat16()
+    src = torch.randn(5, 8).bfloat16()
+    idx = torch.zeros(2, 4, dtype=torch.int64)
+    call = rows.attend_rows
+    with pytest.raises(ValueError, match="^q: expected a \\[R, H, D\\]"):
+        call(q[0], [src], [idx], scale=1.0)
+    with pytest.raises(ValueError, match="^index: expected one table per source"):
+        call(q, [src, src], [idx], scale=1.0)
+    with pytest.raises(ValueError, match="^sources: source 0 holds keys of width 9"):
+        call(q, [torch.randn(5, 9).bfloat16()], [idx], scale=1.0)
+    with pytest.raises(TypeError, match="^index: table 0 must be an int64"):
+        call(q, [src], [idx.int()], scale=1.0)
+    with pytest.raises(ValueError, match="^index: table 0 must be an int64 \\[R=2, W\\]"):
+        call(q, [src], [idx[:1]], scale=1.0)
+    with pytest.raises(ValueError, match="^sinks: expected a float32 tensor of shape \\[H=3\\]"):
+        call(q, [src], [idx], scale=1.0, sinks=torch.zeros(4))
+    with pytest.raises(ValueError, match="^want_stats:"):
+        call(q, [src], [idx], scale=1.0, want_stats=True, want_max=True)

@@ -106,7 +106,8 @@ def _check_lengths(name: str, t: torch.Tensor | None, shape: tuple, K: int) -> N
 
 
 class _Scope:
-    """One KV cache and its index lists (main or extra): gathers the tokens of a block of rows."""
+    """One KV cache and its index lists (main or extra), checked; :meth:`source` and :meth:`table` are
+    what the kernels read."""
 
     def __init__(self, name: str, cache: torch.Tensor, indices: torch.Tensor, lengths, fp8: bool, d: int,
                  b: int, s_q: int):
@@ -117,19 +118,17 @@ class _Scope:
         if cache.size(2) != 1:
             fail(name, f"num_heads_k must be 1 for sparse attention, got {cache.size(2)}")
         if fp8:
-            self.layout = layout_of(cache, name)
-            if self.layout.d != d:
-                fail(name, f"the {self.layout.name} layout holds head_dim {self.layout.d} but q has {d}")
+            layout = layout_of(cache, name)
+            if layout.d != d:
+                fail(name, f"the {layout.name} layout holds head_dim {layout.d} but q has {d}")
         else:
-            self.layout = None
             if cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 fail(name, f"dtype {cache.dtype} is not supported without is_fp8_kvcache; expected a float cache",
                      TypeError)
             if cache.size(-1) != d:
                 fail(name, f"head_dim {cache.size(-1)} does not match q's {d}")
-        self.bs = cache.size(1)
         idx_name = "indices" if not prefix else "extra_indices_in_kvcache"
-        _check_flat_indices(idx_name, indices, (b, s_q), cache.size(0) * self.bs)
+        _check_flat_indices(idx_name, indices, (b, s_q), cache.size(0) * cache.size(1))
         _check_lengths(f"{prefix}topk_length", lengths, (b,), indices.size(-1))
         self.idx = indices.reshape(b * s_q, -1)
         self.len = None if lengths is None else lengths.repeat_interleave(s_q)
@@ -150,11 +149,11 @@ class _Scope:
         return PackedTokens.from_flashmla(self.cache, self.name) if self.fp8 else self.cache
 
 
-def _attend(q, scopes_or_sources, scale, sinks):
-    """``q [r, h, d]`` over ``[(key rows, table)]``: FlashMLA's results ``(out [r, h, d] q dtype, lse
-    [r, h] without the sink, +inf without a key, max_logits [r, h], -inf without a key)``."""
-    sources = [src for src, _ in scopes_or_sources]
-    tables = [t for _, t in scopes_or_sources]
+def _attend(q, parts, scale, sinks):
+    """``q [r, h, d]`` over ``parts = [(key source, table)]``: FlashMLA's results ``(out [r, h, d] q dtype,
+    lse [r, h] without the sink, +inf without a key, max_logits [r, h], -inf without a key)``."""
+    sources = [src for src, _ in parts]
+    tables = [t for _, t in parts]
     out, lse, mx, _ = attend_rows(q, sources, tables, scale=scale, sinks=sinks, sink_in_lse=False, want_max=True)
     return out, _lse_fill_empty(lse, mx != float("-inf")), mx
 

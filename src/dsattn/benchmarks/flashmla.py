@@ -25,17 +25,14 @@ def pool_indices(table: torch.Tensor, positions: torch.Tensor, block: int) -> to
 
 
 def decode_call(q, kw):
-    """A V4 CSA decode step (:func:`workloads.decode`) as FlashMLA's sparse decode: the window's raw
-    tokens through ``indices`` into the raw cache, the top-k compressed tokens through
-    ``extra_indices_in_kvcache`` into the compressed cache."""
+    """A V4 decode step (:func:`workloads.decode`) as FlashMLA's sparse decode: the window's raw tokens
+    through ``indices`` into the raw cache, the compressed tokens it reads (CSA's top-k, HCA's every
+    entry) through ``extra_indices_in_kvcache`` into the compressed cache."""
     B = q.size(0)
-    S2o = kw["seqused_ori_kv"].to(torch.int64)
-    win = S2o[:, None] - workloads.WINDOW + torch.arange(workloads.WINDOW)[None]        # [B, 128]
-    win = torch.where(win >= 0, win, torch.full_like(win, -1))
-    block = kw["ori_kv"].size(1)
-    main = pool_indices(kw["ori_block_table"], win, block).view(B, 1, -1)
-    extra = pool_indices(kw["cmp_block_table"], kw["cmp_sparse_indices"].view(B, -1), kw["cmp_kv"].size(1))
-    return dict(indices=main, extra_indices_in_kvcache=extra.view(B, 1, -1), attn_sink=kw["sinks"],
+    win, cmp = workloads.step_positions(kw)
+    main = pool_indices(kw["ori_block_table"], win, kw["ori_kv"].size(1))
+    extra = pool_indices(kw["cmp_block_table"], cmp, kw["cmp_kv"].size(1))
+    return dict(indices=main.view(B, 1, -1), extra_indices_in_kvcache=extra.view(B, 1, -1), attn_sink=kw["sinks"],
                 softmax_scale=kw["softmax_scale"])
 
 
@@ -43,15 +40,6 @@ def _flash_decode(q, k_cache, extra_cache, call, fp8):
     meta, _ = flashmla.get_mla_metadata()
     return lambda: flashmla.flash_mla_with_kvcache(q, k_cache, None, None, q.size(-1), meta, is_fp8_kvcache=fp8,
                                                    extra_k_cache=extra_cache, **call)[0]
-
-
-def _sharedkv_args(q, kw, ori, cmp):
-    B = q.size(0)
-    return dict(ori_kv=ori, ori_block_table=kw["ori_block_table"], seqused_kv=kw["seqused_ori_kv"],
-                cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32), sinks=kw["sinks"],
-                softmax_scale=kw["softmax_scale"], ori_win_left=kw["ori_win_left"], layout_q="TND", layout_kv="PA_ND",
-                cmp_kv=cmp, cmp_block_table=kw["cmp_block_table"], cmp_ratio=4,
-                cmp_sparse_indices=kw["cmp_sparse_indices"].reshape(B, 1, -1))
 
 
 def decode_rows(results, B=32, fixed=65536, calls=DECODE_CALLS):
@@ -67,8 +55,7 @@ def decode_rows(results, B=32, fixed=65536, calls=DECODE_CALLS):
                           note=f"API / operator {t_api / t_op:.2f}x", extra={"matches_operator": match}))
     # FlashMLA's V4 FP8 layout (584 B / token) against the operator over packed rows of the same payload
     ori8, cmp8 = F.quantize_cache(kw["ori_kv"], F.V4), F.quantize_cache(kw["cmp_kv"], F.V4)
-    qt = q.reshape(B, *q.shape[2:])
-    args = _sharedkv_args(qt, kw, F.to_packed_rows(ori8), F.to_packed_rows(cmp8))
+    qt, args = workloads.sharedkv_args(q, kw, F.to_packed_rows(ori8), F.to_packed_rows(cmp8))
     row = args["cmp_kv"].size(-1)
     nbytes8 = workloads.decode_bytes(q, dict(kw, ori_kv=args["ori_kv"], cmp_kv=args["cmp_kv"]))
     name8 = f"decode CSA V4-Flash B{B} @{fixed // 1024}K FP8 caches"

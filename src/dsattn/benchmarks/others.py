@@ -172,14 +172,7 @@ def kv_quant(smoke=False, results=None):
 def _sharedkv_decode(B, ratio, fixed=None):
     """The attention decode workload as ``sparse_attn_sharedkv`` arguments (TND q, PA_ND caches)."""
     q, kw, flops, _ = workloads.decode(B=B, ratio=ratio, fixed=fixed)
-    args = dict(ori_kv=kw["ori_kv"], ori_block_table=kw["ori_block_table"], seqused_kv=kw["seqused_ori_kv"],
-                cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32), sinks=kw["sinks"],
-                softmax_scale=kw["softmax_scale"], ori_win_left=kw["ori_win_left"], layout_q="TND", layout_kv="PA_ND")
-    if ratio > 1:
-        args.update(cmp_kv=kw["cmp_kv"], cmp_block_table=kw["cmp_block_table"], cmp_ratio=ratio)
-        if "cmp_sparse_indices" in kw:
-            args["cmp_sparse_indices"] = kw["cmp_sparse_indices"].reshape(B, 1, -1)
-    return q.reshape(B, *q.shape[2:]), args, flops
+    return (*workloads.sharedkv_args(q, kw), flops)
 
 
 def sharedkv_packed(smoke=False, results=None):

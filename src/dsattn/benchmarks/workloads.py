@@ -113,3 +113,34 @@ def decode_bytes(q: torch.Tensor, kw: dict) -> float:
             n = kw["seqused_cmp_kv"].to(torch.int64).sum().item()
         rows += n * row_bytes(kw["cmp_kv"])
     return float(rows + 2 * q.numel() * q.element_size())
+
+
+def sharedkv_args(q: torch.Tensor, kw: dict, ori_kv=None, cmp_kv=None) -> tuple[torch.Tensor, dict]:
+    """A :func:`decode` step as ``sparse_attn_sharedkv`` arguments (TND queries, PA_ND caches):
+    ``(q [B, H, D], kwargs)``; ``ori_kv`` / ``cmp_kv`` replace the caches (e.g. packed rows)."""
+    B = q.size(0)
+    args = dict(ori_kv=kw["ori_kv"] if ori_kv is None else ori_kv, ori_block_table=kw["ori_block_table"],
+                seqused_kv=kw["seqused_ori_kv"], cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32),
+                sinks=kw["sinks"], softmax_scale=kw["softmax_scale"], ori_win_left=kw["ori_win_left"],
+                layout_q="TND", layout_kv="PA_ND")
+    if "cmp_kv" in kw:
+        args.update(cmp_kv=kw["cmp_kv"] if cmp_kv is None else cmp_kv, cmp_block_table=kw["cmp_block_table"],
+                    cmp_ratio=kw["cmp_ratio"])
+        if "cmp_sparse_indices" in kw:
+            args["cmp_sparse_indices"] = kw["cmp_sparse_indices"].reshape(B, 1, -1)
+    return q.reshape(B, *q.shape[2:]), args
+
+
+def step_positions(kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logical key positions a :func:`decode` step reads, -1 padded: ``(window [B, 128] raw
+    positions, compressed [B, K]: the listed top-k for CSA, every entry for HCA)``."""
+    S2o = kw["seqused_ori_kv"].to(torch.int64)
+    win = S2o[:, None] - WINDOW + torch.arange(WINDOW)[None]
+    win = torch.where(win >= 0, win, torch.full_like(win, -1))
+    if "cmp_sparse_indices" in kw:
+        cmp = kw["cmp_sparse_indices"].reshape(S2o.numel(), -1).to(torch.int64)
+    else:
+        n = kw["seqused_cmp_kv"].to(torch.int64)
+        slot = torch.arange(max(1, int(n.max())))[None]
+        cmp = torch.where(slot < n[:, None], slot, torch.full_like(slot, -1))
+    return win, cmp

@@ -113,20 +113,26 @@ def _flash_attend(q, keys, mask, sinks, scale, row_ok):
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor | None,
-           scale: float, qdtype: torch.dtype, row_ok: torch.Tensor):
+           scale: float, qdtype: torch.dtype, row_ok: torch.Tensor, stats: bool = False):
     """Attention of ``q [R, H, D]`` over per-row keys ``keys [R, W, D]`` (K = V), both in
     :func:`attention_dtype` (the query dtype on the flash path, else fp32 / fp64).  ``mask [R, W]``
     marks real keys (masked key rows must already be zero), ``row_ok [R]`` valid rows.  Returns
-    ``(out [R, H, D], lse [R, H])`` unrounded (fp32 or wider)."""
+    ``(out [R, H, D], lse [R, H])`` unrounded (fp32 or wider); with ``stats`` (fp32 / fp64 keys) also
+    the softmax's shift ``m`` and denominator ``l`` (sink included), 0 and 0 for rows without a key."""
     if keys.dtype in (torch.float16, torch.bfloat16):
+        if stats:
+            raise ValueError("stats: the softmax statistics need fp32 or fp64 keys (not the flash path)")
         return _flash_attend(q, keys, mask, sinks, scale, row_ok)
     s = scale * torch.einsum("rhd,rwd->rhw", q, keys)
     e, l, m = softmax_with_sink(s, mask, sinks)
     out = torch.einsum("rhw,rwd->rhd", round_q(e, qdtype), keys) / l.unsqueeze(-1)
     lse = m + torch.log(l)
     ok = (row_ok & mask.any(-1)).unsqueeze(-1)
-    out = torch.where(ok.unsqueeze(-1), out, torch.zeros_like(out))
-    lse = torch.where(ok, lse, torch.zeros_like(lse))
+    zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+    out = torch.where(ok.unsqueeze(-1), out, zero)
+    lse = torch.where(ok, lse, zero)
+    if stats:
+        return out, lse, torch.where(ok, m, zero), torch.where(ok, l, zero)
     return out, lse
 
 

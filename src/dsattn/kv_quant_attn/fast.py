@@ -78,11 +78,16 @@ def _forward_compiled(P: QsfaProblem, tokens, want_stats: bool):
                                        want_stats=True)
         out[t0:t1] = o[..., :KV_LORA_RANK]
         stats[:, t0:t1] = st
-    attn = P.rows.unflat(out, q)
+    return _results(P, out, stats[0], stats[1], want_stats)
+
+
+def _results(P: QsfaProblem, out, smax, ssum, want_stats: bool):
+    """The op's outputs from the flattened rows: the attention, and the statistics or empty tensors."""
+    attn = P.rows.unflat(out, P.query)
     if not want_stats:
-        empty = torch.zeros(0, dtype=torch.float32, device=q.device)
+        empty = torch.zeros(0, dtype=torch.float32, device=out.device)
         return attn, empty, empty.clone()
-    return attn, stats[0].reshape(P.stats_shape()), stats[1].reshape(P.stats_shape())
+    return attn, smax.reshape(P.stats_shape()), ssum.reshape(P.stats_shape())
 
 
 def forward(P: QsfaProblem, want_stats: bool):
@@ -124,8 +129,4 @@ def forward(P: QsfaProblem, want_stats: bool):
         out[t0:t1] = torch.where(ok[..., None], o, zero).to(q.dtype)
         smax[t0:t1] = torch.where(ok, m, zero)
         ssum[t0:t1] = torch.where(ok, l, zero)
-    attn = P.rows.unflat(out, q)
-    if not want_stats:
-        empty = torch.zeros(0, dtype=torch.float32, device=dev)
-        return attn, empty, empty.clone()
-    return attn, smax.reshape(P.stats_shape()), ssum.reshape(P.stats_shape())
+    return _results(P, out, smax, ssum, want_stats)

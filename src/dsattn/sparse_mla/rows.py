@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 
 from ..backend import use_triton
-from ..common.softmax import attend, attention_dtype, round_q, softmax_with_sink
+from ..common.checks import fail
+from ..common.softmax import attend, attention_dtype, row_max
 from ..quant.tokens import PackedTokens
 
 GATHER_BUDGET = 64 << 20          # bytes of gathered keys per block of rows (the torch path)
@@ -156,8 +157,6 @@ class Triton:
         from . import triton as kernels
         R, D = q.size(0), q.size(-1)
         qf = q if q.stride(-1) == 1 else q.contiguous()
-        if st is not None and (mx is not None or not sink_in_lse):
-            raise ValueError("want_stats: not with want_max or sink_in_lse=False")
         # (max, sum) from the kernel: without the sink where the LSE or the maxima must leave it out (the
         # sink then scales the output here), with it for the softmax statistics
         stats = st is not None or mx is not None or (sinks is not None and not sink_in_lse)
@@ -239,23 +238,16 @@ class Torch:
                 torch.zeros(t1 - t0, 0, dtype=torch.bool, device=q.device)
             row_ok = torch.ones(t1 - t0, dtype=torch.bool, device=q.device)
             if st is not None:                     # the softmax's shift and denominator too
-                e, den, m = softmax_with_sink(scale * torch.einsum("rhd,rwd->rhw", q[t0:t1].to(adt), keys), mask,
-                                              sink_f)
-                has = mask.any(1, keepdim=True)
-                o = torch.einsum("rhw,rwd->rhd", round_q(e, q.dtype), keys) / den[..., None]
-                o = torch.where(has[..., None], o, torch.zeros((), dtype=adt, device=q.device))
-                st[0, t0:t1] = torch.where(has, m, torch.zeros((), dtype=adt, device=q.device)).float()
-                st[1, t0:t1] = torch.where(has, den, torch.zeros((), dtype=adt, device=q.device)).float()
-                out[t0:t1] = o.to(q.dtype)
-                lse[t0:t1] = torch.where(has, m + torch.log(den), torch.zeros((), dtype=adt, device=q.device)).float()
-                continue
-            o, l = attend(q[t0:t1].to(adt), keys, mask, sink_f if sink_in_lse else None, scale, q.dtype, row_ok)
+                o, l, m, den = attend(q[t0:t1].to(adt), keys, mask, sink_f, scale, q.dtype, row_ok, stats=True)
+                st[0, t0:t1], st[1, t0:t1] = m.float(), den.float()
+            else:
+                o, l = attend(q[t0:t1].to(adt), keys, mask, sink_f if sink_in_lse else None, scale, q.dtype, row_ok)
             if sinks is not None and not sink_in_lse:
                 o = _apply_sink(o, l, sink_f, mask.any(1, keepdim=True))
             if mx is not None:
                 s = (scale * torch.einsum("rhd,rwd->rhw", q[t0:t1].to(adt), keys)).masked_fill(
                     ~mask[:, None, :], float("-inf"))
-                mx[t0:t1] = (s.amax(-1) if s.size(-1) else s.new_full(s.shape[:-1], float("-inf"))).float()
+                mx[t0:t1] = row_max(s).float()
             out[t0:t1] = o.to(q.dtype)
             lse[t0:t1] = l.float()
 
@@ -276,10 +268,33 @@ def explain(q: torch.Tensor, sources) -> list[tuple[str, list[str]]]:
     return [(impl.name, impl.reasons(q, sources, False)) for impl in IMPLEMENTATIONS]
 
 
+def _check_call(q, sources, index, sinks, sink_in_lse: bool, want_max: bool, want_stats: bool) -> None:
+    """Shapes and dtypes only (never tensor values: the call stays free of host reads)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        fail("q", f"expected a [R, H, D] tensor, got {getattr(q, 'shape', type(q).__name__)}", TypeError
+             if not isinstance(q, torch.Tensor) else ValueError)
+    R, H, D = q.shape
+    if len(sources) != len(index):
+        fail("index", f"expected one table per source ({len(sources)}), got {len(index)}")
+    for k, (src, idx) in enumerate(zip(sources, index)):
+        width = src.D if isinstance(src, PackedTokens) else src.size(-1)
+        if width != D:
+            fail("sources", f"source {k} holds keys of width {width}, q's head dim is {D}")
+        if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int64 or idx.dim() != 2 or idx.size(0) != R:
+            fail("index", f"table {k} must be an int64 [R={R}, W] tensor, got "
+                 f"{getattr(idx, 'dtype', type(idx).__name__)} {tuple(getattr(idx, 'shape', ()))}", TypeError
+                 if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int64 else ValueError)
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (H,)):
+        fail("sinks", f"expected a float32 tensor of shape [H={H}], got {sinks.dtype} {tuple(sinks.shape)}")
+    if want_stats and (want_max or not sink_in_lse):
+        fail("want_stats", "goes with sink_in_lse=True and without want_max (the statistics include the sink)")
+
+
 def attend_rows(q: torch.Tensor, sources, index, *, scale: float, sinks: torch.Tensor | None = None,
                 sink_in_lse: bool = True, want_max: bool = False, want_stats: bool = False):
     """See the module's docstring.  ``want_stats``: the 4th result is ``[2, R, H]`` fp32, each row's
     softmax shift ``m`` and denominator ``l`` (sink included; 0 and 0 without a key), else None."""
+    _check_call(q, sources, index, sinks, sink_in_lse, want_max, want_stats)
     R, H, D = q.shape
     out = torch.empty(R, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(R, H, dtype=torch.float32, device=q.device)
