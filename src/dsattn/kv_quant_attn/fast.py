@@ -67,7 +67,8 @@ def _forward_compiled(P: QsfaProblem, tokens, want_stats: bool):
     qf = P.rows.flat(q)
     R, H, _ = qf.shape
     out = empty_output(R, H, KV_LORA_RANK, dtype=q.dtype, device=q.device)
-    stats = torch.empty(2, R, H, dtype=torch.float32, device=q.device)
+    smax = torch.empty(R, H, dtype=torch.float32, device=q.device)    # two tensors: returns must not alias
+    ssum = torch.empty(R, H, dtype=torch.float32, device=q.device)
     step = max(1, min(R, (32 << 20) // (24 * max(P.width, 1))))   # the key addresses of a block: ~24 B a slot
     check = content_checks_enabled(P.query, P.kv.tensor)
     for t0 in range(0, R, step):
@@ -77,8 +78,9 @@ def _forward_compiled(P: QsfaProblem, tokens, want_stats: bool):
         o, _, _, st = rows.attend_rows(qf[t0:t1], [tokens], [flat.contiguous()], scale=P.scale, sinks=P.sinks,
                                        want_stats=True)
         out[t0:t1] = o[..., :KV_LORA_RANK]
-        stats[:, t0:t1] = st
-    return _results(P, out, stats[0], stats[1], want_stats)
+        smax[t0:t1] = st[0]
+        ssum[t0:t1] = st[1]
+    return _results(P, out, smax, ssum, want_stats)
 
 
 def _results(P: QsfaProblem, out, smax, ssum, want_stats: bool):
