@@ -14,10 +14,21 @@ from dsattn.sparse_mla import fast
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-@pytest.fixture(params=["native", "native-fp32", "torch"])
+def _force_gemm(request, module, path):
+    """Run the compiled kernels on GEMM path ``path`` for this test (skipped where the CPU lacks it)."""
+    if path == "avx512bf16" and not module.cpu_has_avx512bf16():
+        pytest.skip("this CPU has no AVX512-BF16")
+    module.set_gemm_path(path)
+    request.addfinalizer(lambda: module.set_gemm_path(native.gemm_requested()))
+    if path != "best":
+        assert module.attention_gemm("bfloat16") == path
+
+
+@pytest.fixture(params=["native", "native-avx512bf16", "native-fp32", "torch"])
 def path(request, monkeypatch, native_module):
     """Which CPU forward runs; 'native' also counts the compiled calls so a test sees it ran.
-    'native-fp32' forces the compiled kernels' fp32 GEMMs (the AVX2-only machines' path) on this CPU."""
+    'native-fp32' forces the compiled kernels' fp32 GEMMs (the AVX2-only machines' path) on this CPU,
+    'native-avx512bf16' the vdpbf16ps micro-kernel (the path of AVX512-BF16 CPUs without AMX)."""
     calls = []
     if request.param == "torch":
         monkeypatch.setattr(fast, "native_sources", lambda P: None)
@@ -25,10 +36,8 @@ def path(request, monkeypatch, native_module):
     else:
         if native_module is None:
             pytest.skip(f"no compiled layer here: {native.status()}")
-        if request.param == "native-fp32":
-            native_module.set_fp32_gemm(True)
-            request.addfinalizer(lambda: native_module.set_fp32_gemm(native.fp32_requested()))
-            assert native_module.attention_gemm("bfloat16") == "fp32"
+        if request.param != "native":
+            _force_gemm(request, native_module, request.param.split("-", 1)[1])
         for owner, name in ((fast, "_forward_native"), (fast, "_backward_native"), (indexer_fast, "_native_topk")):
             real = getattr(owner, name)
 
@@ -39,15 +48,14 @@ def path(request, monkeypatch, native_module):
     return request.param, calls
 
 
-@pytest.fixture(params=["best", "fp32"])
+@pytest.fixture(params=["best", "avx512bf16", "fp32"])
 def gemm_module(request, native_module):
-    """The compiled module with its GEMM path set: the CPU's best, or fp32 forced (the AVX2-only
-    machines' path)."""
+    """The compiled module with its GEMM path set: the CPU's best, or one forced (the vdpbf16ps
+    micro-kernel of AVX512-BF16 CPUs without AMX, the fp32 path of AVX2-only machines)."""
     if native_module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
-    native_module.set_fp32_gemm(request.param == "fp32")
-    yield native_module
-    native_module.set_fp32_gemm(native.fp32_requested())
+    _force_gemm(request, native_module, request.param)
+    return native_module
 
 
 def _forward_rows(case):
@@ -152,16 +160,16 @@ def test_packed_layout_is_the_ukernels(native_module):
         assert same, (K, N)
 
 
-@pytest.mark.parametrize("M, K, N", [(64, 640, 512), (64, 640, 576), (16, 130, 1040), (128, 64, 48), (3, 2, 16)])
-def test_gemm_through_wide_packed_panels_is_a_matmul(native_module, M, K, N):
+@pytest.mark.parametrize("M, K, N", [(64, 640, 512), (64, 640, 576), (16, 130, 1040), (128, 64, 48), (3, 2, 16),
+                                     (9, 14, 48), (17, 66, 16)])
+def test_gemm_through_wide_packed_panels_is_a_matmul(gemm_module, M, K, N):
     # panels wider than cpublas::pack writes (up to 512 columns): the ukernel must read them as
-    # [K/2][w][2]; bf16 products are exact in fp32, so only the fp32 summation order differs
-    module = native_module
-    if module is None:
-        pytest.skip(f"no compiled layer here: {native.status()}")
-    err = module.packed_gemm_error(M, K, N)
+    # [K/2][w][2], and so must the vdpbf16ps micro-kernel (row blocks of 1..8, masked column edges);
+    # bf16 products are exact in fp32, so only the fp32 summation order differs
+    err = gemm_module.packed_gemm_error(M, K, N)
     if err is None:
-        pytest.skip("this CPU has no packed bf16 GEMM (the fp32 GEMM path runs)")
+        assert gemm_module.attention_gemm("bfloat16") == "fp32"
+        pytest.skip("bf16 runs the fp32 GEMM path here")
     assert err <= K * 2.0 ** -24, err
 
 
@@ -314,12 +322,23 @@ def test_indexer_topk_rejects_pages_out_of_range(native_module):
         module.indexer_topk(q, keys, *args, torch.tensor([6]), w, 4, torch.tensor([1, 2]))
 
 
-def test_native_gemm_setting_is_checked(monkeypatch):
+def test_native_gemm_setting_is_checked(monkeypatch, native_module):
     monkeypatch.setenv("DSATTN_NATIVE_GEMM", "fp16")
-    with pytest.raises(ValueError, match="DSATTN_NATIVE_GEMM: expected 'fp32' or unset, got 'fp16'"):
-        native.fp32_requested()
+    with pytest.raises(ValueError, match="DSATTN_NATIVE_GEMM: expected 'fp32', 'avx512bf16' or unset, got 'fp16'"):
+        native.gemm_requested()
     monkeypatch.setenv("DSATTN_NATIVE_GEMM", "FP32")
     assert native.fp32_requested()
+    monkeypatch.setenv("DSATTN_NATIVE_GEMM", "avx512bf16")
+    assert native.gemm_requested() == "avx512bf16"
+    with pytest.raises(ValueError, match="gemm_path: expected one of"):
+        with native.gemm_path("amx"):
+            pass
+    if native_module is not None:
+        with pytest.raises(ValueError, match="gemm path: expected 'best', 'avx512bf16' or 'fp32', got 'fp16'"):
+            native_module.set_gemm_path("fp16")
+        if not native_module.cpu_has_avx512bf16():
+            with pytest.raises(ValueError, match="this CPU has no AVX512-BF16"):
+                native_module.set_gemm_path("avx512bf16")
 
 
 @pytest.mark.parametrize("cache_mode", [1, 2])
@@ -414,3 +433,13 @@ def test_operand_transposes_match_the_element_loop(native_module, rows, cols):
     if native_module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
     assert native_module.transposes_match(rows, cols)
+
+
+@pytest.mark.parametrize("M, K, N", [(9, 14, 40), (17, 66, 1), (8, 130, 17), (1, 512, 64)])
+def test_vdpbf16ps_micro_kernel_masks_any_width(native_module, request, M, K, N):
+    # column counts that are not a multiple of 16: the micro-kernel's masked loads and stores
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    _force_gemm(request, native_module, "avx512bf16")
+    err = native_module.packed_gemm_error(M, K, N)
+    assert err is not None and err <= K * 2.0 ** -24, err

@@ -97,9 +97,11 @@ def _cpu_attention(module) -> str:
         return "vectorised PyTorch (the compiled kernels are not loaded)"
     gemm = {m: module.attention_gemm(m) for m in ("bfloat16", "float16")}
     from . import native
-    forced = " (forced: DSATTN_NATIVE_GEMM=fp32)" if native.fp32_requested() else ""
-    how = lambda g: "half-precision products, fp32 sums (oneDNN ukernel: AMX / AVX512-BF16)" if g == "packed" \
-        else "widened to fp32 GEMMs" + forced   # noqa: E731
+    requested = native.gemm_requested()
+    forced = f" (forced: DSATTN_NATIVE_GEMM={requested})" if requested != "best" else ""
+    how = {"amx": "half-precision products, fp32 sums (AMX: oneDNN's ukernel)",
+           "avx512bf16": "bf16 products, fp32 sums (AVX512-BF16: dsattn's vdpbf16ps micro-kernel)" + forced,
+           "fp32": "widened to fp32 GEMMs" + (forced if requested == "fp32" else "")}.get
     return (f"compiled (dsattn/native/attention.cpp): bf16 {how(gemm['bfloat16'])}; fp16 {how(gemm['float16'])}; "
             "fp32 GEMMs for fp32; packed int8 / fp8 caches (dsattn's rows, FlashMLA's V3.2 / V4 layouts) decoded "
             "token by token as the kernel gathers them; fp64 queries and the flash opt-in keep vectorised PyTorch")

@@ -164,23 +164,34 @@ def _plan_table(args) -> int:
 # Our own elementwise loops keep the clones this CPU runs (GCC's target_clones pick at load time).
 AVX2_EMULATION = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
                   "DSATTN_NATIVE_GEMM": "fp32"}
+# An AVX512-BF16 machine without AMX (Zen 4 / Zen 5 EPYC) on an AMX one: oneDNN limited to
+# AVX512_CORE_BF16 (its ukernel then packs nothing, as there, and PyTorch's bf16 matmul, the ceiling,
+# runs on vdpbf16ps), MKL without AMX; the compiled kernels take their vdpbf16ps micro-kernel.
+AVX512BF16_EMULATION = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+                        "DSATTN_NATIVE_GEMM": "avx512bf16"}
 
 
-def _bench_emulated(args) -> int:
-    """``--emulate-avx2``: the same command in a fresh interpreter (the libraries read these variables
-    once, when they start) with :data:`AVX2_EMULATION` set."""
+def _bench_emulated(args, name: str, emulation: dict) -> int:
+    """``--emulate-*``: the same command in a fresh interpreter (the libraries read these variables
+    once, when they start) with the emulation's variables set."""
     import os
     import subprocess
-    env = dict(os.environ, **AVX2_EMULATION, DSATTN_BENCH_EMULATION="AVX2 (--emulate-avx2: "
-               + ", ".join(f"{k}={v}" for k, v in AVX2_EMULATION.items()) + ")")
+    flag = "--emulate-" + name.lower().replace("-", "")
+    env = dict(os.environ, **emulation, DSATTN_BENCH_EMULATION=f"{name} ({flag}: "
+               + ", ".join(f"{k}={v}" for k, v in emulation.items()) + ")")
     code = "import sys; from dsattn.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *args.argv], env=env).returncode
 
 
 def _bench(args) -> int:
     import os
+    if args.emulate_avx2 and args.emulate_avx512bf16:
+        print("dsattn bench: error: --emulate-avx2 and --emulate-avx512bf16 exclude each other", file=sys.stderr)
+        return 2
     if args.emulate_avx2 and "DSATTN_BENCH_EMULATION" not in os.environ:
-        return _bench_emulated(args)
+        return _bench_emulated(args, "AVX2", AVX2_EMULATION)
+    if args.emulate_avx512bf16 and "DSATTN_BENCH_EMULATION" not in os.environ:
+        return _bench_emulated(args, "AVX512-BF16", AVX512BF16_EMULATION)
     if args.which:
         from .backend import describe
         print(describe())
@@ -269,6 +280,9 @@ def main(argv=None) -> int:
     bn.add_argument("--emulate-avx2", action="store_true",
                     help="run as an AVX2-only machine would: oneDNN / MKL / ATen limited to AVX2 and the compiled "
                          "kernels' fp32 GEMM path, in a fresh process (its ceilings measured there too)")
+    bn.add_argument("--emulate-avx512bf16", action="store_true",
+                    help="run as an AVX512-BF16 CPU without AMX would (Zen 4 / 5 EPYC): oneDNN limited to "
+                         "AVX512_CORE_BF16, the compiled kernels' vdpbf16ps micro-kernel, in a fresh process")
     bn.add_argument("--which", action="store_true",
                     help="instead: print which implementation each piece runs on this machine and exit")
     bn.set_defaults(fn=_bench)

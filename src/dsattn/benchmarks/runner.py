@@ -75,7 +75,7 @@ def markdown(ceil, results, command: str) -> str:
 
 def _emulation_note() -> str:
     how = os.environ.get("DSATTN_BENCH_EMULATION")
-    return f" Emulating {how}: the libraries and ceilings of an AVX2-only machine." if how else ""
+    return f" Emulating {how}: that machine class's libraries, GEMM path and ceilings." if how else ""
 
 
 def record(text: str, path: Path) -> None:
@@ -98,7 +98,8 @@ def main(families=None, smoke=False, record_results=True, argv=None) -> int:
     console = Console(width=max(Console().width, 200))
     with console.status("measuring") as status:
         ceil, results = run(families, smoke, progress=lambda n: status.update(f"benchmark family: {n}"))
-    emulated = " (AVX2 emulated)" if os.environ.get("DSATTN_BENCH_EMULATION") else ""
+    how = os.environ.get("DSATTN_BENCH_EMULATION", "")
+    emulated = f" ({how.split(' ')[0]} emulated)" if how else ""
     table = Table(title=f"dsattn bench{' (smoke)' if smoke else ''}{emulated}: bf16 peak {ceil.bf16_gflops:.0f}, fp32 peak "
                         f"{ceil.fp32_gflops:.0f} GFLOP/s, copy {ceil.copy_gbs:.1f} GB/s")
     for h in HEADER:

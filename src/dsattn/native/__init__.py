@@ -11,10 +11,11 @@ and the torch version, and concurrent processes wait on one build (cpp_extension
 no ninja) one ``RuntimeWarning`` says so and the same fallback runs.  :func:`status` says which
 path is active (``dsattn bench --which``).
 
-The GEMMs run on half-precision operands where the CPU multiplies them natively (AMX /
-AVX512-BF16), else on fp32 operands.  ``DSATTN_NATIVE_GEMM=fp32`` (or :func:`fp32_gemm` for a
-block) forces the fp32 path on any CPU: the path an AVX2-only machine takes, tested and timed on
-one that has more.
+The GEMMs run on half-precision operands where the CPU multiplies them natively: AMX (oneDNN's
+ukernel, bf16 and fp16), else AVX512-BF16 (dsattn's vdpbf16ps micro-kernel, bf16), else on fp32
+operands (AVX2, AVX-512F), decided once per process.  ``DSATTN_NATIVE_GEMM=fp32`` or
+``=avx512bf16`` (or :func:`gemm_path` for a block) forces a path on any CPU that has it: the paths
+other machines take, tested and timed on one that has more.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import time
 import warnings
 
 _SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp")
-_HEADERS = ("common.h",)
+_HEADERS = ("common.h", "gemm.h")
 _state: dict = {}
 
 
@@ -104,28 +105,43 @@ def suspended():
         _state["suspended"] -= 1
 
 
+_GEMM_PATHS = ("best", "avx512bf16", "fp32")
+
+
 @contextlib.contextmanager
-def fp32_gemm():
-    """Within the block the compiled kernels run their fp32 GEMM path (the one AVX2-only CPUs take)
-    whatever the CPU multiplies natively; afterwards the CPU's best again (or ``DSATTN_NATIVE_GEMM``'s
-    choice).  No effect without the compiled layer."""
+def gemm_path(path: str):
+    """Within the block the compiled kernels run the GEMM path ``path``: ``"fp32"`` (the one AVX2-only
+    CPUs take), ``"avx512bf16"`` (the vdpbf16ps micro-kernel, on a CPU that has it) or ``"best"``;
+    afterwards ``DSATTN_NATIVE_GEMM``'s choice again.  No effect without the compiled layer."""
+    if path not in _GEMM_PATHS:
+        raise ValueError(f"gemm_path: expected one of {_GEMM_PATHS}, got {path!r}")
     module = load()
     if module is None:
         yield
         return
-    module.set_fp32_gemm(True)
+    module.set_gemm_path(path)
     try:
         yield
     finally:
-        module.set_fp32_gemm(fp32_requested())
+        module.set_gemm_path(gemm_requested())
+
+
+def fp32_gemm():
+    """:func:`gemm_path` ``("fp32")``."""
+    return gemm_path("fp32")
+
+
+def gemm_requested() -> str:
+    """``DSATTN_NATIVE_GEMM``: ``fp32`` or ``avx512bf16`` forces that GEMM path; unset (or empty) leaves
+    the CPU's best (``"best"``)."""
+    value = os.environ.get("DSATTN_NATIVE_GEMM", "").strip().lower() or "best"
+    if value not in _GEMM_PATHS:
+        raise ValueError(f"DSATTN_NATIVE_GEMM: expected 'fp32', 'avx512bf16' or unset, got {value!r}")
+    return value
 
 
 def fp32_requested() -> bool:
-    """``DSATTN_NATIVE_GEMM``: ``fp32`` forces the fp32 GEMM path; unset (or empty) leaves the CPU's best."""
-    value = os.environ.get("DSATTN_NATIVE_GEMM", "").strip().lower()
-    if value not in ("", "fp32"):
-        raise ValueError(f"DSATTN_NATIVE_GEMM: expected 'fp32' or unset, got {value!r}")
-    return value == "fp32"
+    return gemm_requested() == "fp32"
 
 
 def load():
@@ -135,7 +151,7 @@ def load():
     if "module" in _state:
         return _state["module"]
     from torch.utils import cpp_extension
-    fp32 = fp32_requested()                          # (a bad value is the caller's error, not a build failure)
+    gemm = gemm_requested()                          # (a bad value is the caller's error, not a build failure)
     args = _build_args()
     try:
         build_dir = cpp_extension._get_build_directory(args["name"], False)
@@ -147,7 +163,6 @@ def load():
             with open(stamp_path, "w") as f:
                 f.write(stamp)
         module = cpp_extension.load(**args)          # up to date: ninja has nothing to do, the module imports
-        module.set_fp32_gemm(fp32)
         _state.update(module=module, error=None)
     except Exception as exc:                        # no compiler / ninja, or a build error
         first = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -155,6 +170,9 @@ def load():
         warnings.warn(f"dsattn: the compiled kernel layer could not be built ({_state['error']}); the PyTorch / "
                       "NumPy paths run instead (set DSATTN_NATIVE=0 to skip the build)", RuntimeWarning,
                       stacklevel=2)
+    if _state["module"] is not None and not _state.get("gemm_set"):
+        _state["module"].set_gemm_path(gemm)        # ValueError where the CPU lacks the forced path
+        _state["gemm_set"] = True
     return _state["module"]
 
 

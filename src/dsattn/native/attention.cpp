@@ -5,10 +5,10 @@
 // the golden (dsattn/sparse_mla/ref.py): no online rescaling, so results differ from it only by
 // summation order.
 //
-// The GEMMs go through ATen's exported batch-reduce GEMM (at::native::cpublas::brgemm, oneDNN's
-// ukernel).  Where the CPU multiplies bf16 / fp16 natively (AVX512-BF16 / AMX: cpublas::could_pack)
-// the half-precision rows are multiplied as they are with fp32 accumulation; elsewhere (AVX2,
-// AVX512F) the rows are widened to fp32 as they are gathered and the fp32 ukernel runs.  Products of
+// The GEMMs go through dsattn_native::gemm (gemm.h): ATen's batch-reduce ukernel where the CPU
+// multiplies 16-bit operands natively (AMX), our vdpbf16ps micro-kernel for bf16 on AVX512-BF16
+// without AMX; on either the half-precision rows are multiplied as they are with fp32 accumulation.
+// Elsewhere (AVX2, AVX512F) the rows are widened to fp32 as they are gathered and the fp32 ukernel runs.  Products of
 // half-precision values are exact in fp32 either way, so both paths have the golden's numerics.
 //
 // Layout of the work for one row (H heads padded to Hp, a multiple of 16; D padded to Dp):
@@ -37,8 +37,8 @@
 
 namespace {
 
-using at::native::cpublas::brgemm;
-using at::native::cpublas::brgemm_release;
+using dsattn_native::gemm;
+using dsattn_native::gemm_release;
 using at::native::cpublas::could_pack;
 
 constexpr int64_t KEY_ALIGN = 64;  // the key count is padded to a multiple of this
@@ -535,13 +535,13 @@ struct RowAttention {
         const int64_t m = std::min(RING, npad - c0);
         gather(rows, npad, c0, c0 + m, ring);
         for (int64_t h0 = 0; h0 < Hp; h0 += PANEL)
-          brgemm(m, std::min(PANEL, Hp - h0), Dp, Dp, std::min(PANEL, Hp - h0), Hp, false, ring, q_b + h0 * Dp,
+          gemm(m, std::min(PANEL, Hp - h0), Dp, Dp, std::min(PANEL, Hp - h0), Hp, false, ring, q_b + h0 * Dp,
                  s + c0 * Hp + h0, true);
       }
     } else {
       gather(rows, npad);
       for (int64_t h0 = 0; h0 < Hp; h0 += PANEL)
-        brgemm(npad, std::min(PANEL, Hp - h0), Dp, Dp, Hp, Hp, false, keys, q_b + h0, s + h0, false);
+        gemm(npad, std::min(PANEL, Hp - h0), Dp, Dp, Hp, Hp, false, keys, q_b + h0, s + h0, false);
     }
   }
 
@@ -616,9 +616,9 @@ struct RowAttention {
     for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
       const int64_t w = std::min(PANEL, Dp - d0);
       if constexpr (packed) {
-        brgemm(Hp, w, npad, npad, w, Dp, false, p, v_packed + d0 * npad, o + d0, true);
+        gemm(Hp, w, npad, npad, w, Dp, false, p, v_packed + d0 * npad, o + d0, true);
       } else {
-        brgemm(Hp, w, npad, npad, Dp, Dp, false, p, keys + d0, o + d0, false);
+        gemm(Hp, w, npad, npad, Dp, Dp, false, p, keys + d0, o + d0, false);
       }
     }
     for (int64_t h = 0; h < H; ++h) {
@@ -712,7 +712,7 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
         work.run(qp + at, keys, op + at, lp + r * H + h0, mx, smax, ssum);
       }
     }
-    if (RowAttention<scalar_t, mm_t>::packed) brgemm_release(true);
+    gemm_release<mm_t>();
   };
   // Fewer rows than threads (a decode step of one or a few requests): each row's heads are split into
   // groups of a multiple of 16 (the GEMM tiles' rows) so that every thread has work.
@@ -883,11 +883,11 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
       for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
         const int64_t w = std::min(PANEL, Hp - h0);
         if constexpr (packed) {
-          brgemm(npad, w, Dp, Dp, w, Hp, false, work.keys, work.q_b + h0 * Dp, work.s + h0, true);
-          brgemm(npad, w, Dp, Dp, w, Hp, false, work.keys, do_b.data() + h0 * Dp, dp.data() + h0, true);
+          gemm(npad, w, Dp, Dp, w, Hp, false, work.keys, work.q_b + h0 * Dp, work.s + h0, true);
+          gemm(npad, w, Dp, Dp, w, Hp, false, work.keys, do_b.data() + h0 * Dp, dp.data() + h0, true);
         } else {
-          brgemm(npad, w, Dp, Dp, Hp, Hp, false, work.keys, work.q_b + h0, work.s + h0, false);
-          brgemm(npad, w, Dp, Dp, Hp, Hp, false, work.keys, do_b.data() + h0, dp.data() + h0, false);
+          gemm(npad, w, Dp, Dp, Hp, Hp, false, work.keys, work.q_b + h0, work.s + h0, false);
+          gemm(npad, w, Dp, Dp, Hp, Hp, false, work.keys, do_b.data() + h0, dp.data() + h0, false);
         }
       }
       std::fill(dsum.begin(), dsum.end(), 0.0f);    // Dsum = rowsum(dO * O)
@@ -942,9 +942,9 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
       for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
         const int64_t w = std::min(PANEL, Dp - d0);
         if constexpr (packed)
-          brgemm(Hp, w, npad, npad, w, Dp, false, ds_t.data(), work.v_packed + d0 * npad, cq.data() + d0, true);
+          gemm(Hp, w, npad, npad, w, Dp, false, ds_t.data(), work.v_packed + d0 * npad, cq.data() + d0, true);
         else
-          brgemm(Hp, w, npad, npad, Dp, Dp, false, ds_t.data(), work.keys + d0, cq.data() + d0, false);
+          gemm(Hp, w, npad, npad, Dp, Dp, false, ds_t.data(), work.keys + d0, cq.data() + d0, false);
       }
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
         normalize_bf16(cq.data(), Dp, scales.data(), H, D, reinterpret_cast<uint16_t*>(dqr));   // bf16(scale * cq)
@@ -980,9 +980,9 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
         for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
           const int64_t w = std::min(PANEL, Dp - d0);
           if constexpr (packed)
-            brgemm(m, w, Hp, Hp, w, Dp, false, a, b_pairs.data() + d0 * Hp, c + d0, true);
+            gemm(m, w, Hp, Hp, w, Dp, false, a, b_pairs.data() + d0 * Hp, c + d0, true);
           else
-            brgemm(m, w, Hp, Hp, Dp, Dp, false, a, b_plain.data() + d0, c + d0, false);
+            gemm(m, w, Hp, Hp, Dp, Dp, false, a, b_plain.data() + d0, c + d0, false);
         }
       };
       for (int64_t j = 0; j < n; ++j) dst_rows[j] = my_rows[where[j].first] + where[j].second * D;
@@ -1002,7 +1002,7 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
         for (int64_t j = w - 1; j >= 0; --j) pmr[col + j] = idx[j] >= 0 ? pmr[--g] : 0.0f;
       }
     }
-    if constexpr (packed) brgemm_release(true);
+    gemm_release<mm_t>();
   });
   for (int t = 0; t < threads; ++t) {
     if (acc[t].empty()) continue;
@@ -1154,10 +1154,11 @@ std::vector<at::Tensor> sparse_attention_backward(const at::Tensor& q, const at:
   return result;
 }
 
-// Which GEMM the forward uses for a query dtype: "packed" (native half-precision products) or "fp32".
+// Which GEMM the kernels use for a query dtype: "amx" or "avx512bf16" (native half-precision
+// products, fp32 sums) or "fp32".
 std::string attention_gemm(const std::string& dtype) {
   const auto dt = dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf : at::kFloat;
-  return dsattn_native::packed_gemm(dt) ? "packed" : "fp32";
+  return dsattn_native::gemm_kind_name(dsattn_native::gemm_kind(dt));
 }
 
 // Test hook: the packed V layout written by pack_pair equals cpublas::pack's for a random bf16
@@ -1175,11 +1176,13 @@ c10::optional<bool> packed_layout_matches(int64_t K, int64_t N) {
 }
 
 // Test hook: C [M, N] = A [M, K] B [K, N] for random bf16 A, B through pack_pair's panels (up to
-// PANEL columns each) and the ukernel, as the forward's P V runs; returns the largest
-// |C - C_ref| / (|A| |B|)_ij against an fp64 matmul of the same values.  None as above.
+// PANEL columns each) and the 16-bit GEMM this process runs (AMX ukernel or the vdpbf16ps
+// micro-kernel), as the forward's P V runs; returns the largest |C - C_ref| / (|A| |B|)_ij against an
+// fp64 matmul of the same values.  None where bf16 runs the fp32 path.
 c10::optional<double> packed_gemm_error(int64_t M, int64_t K, int64_t N) {
-  if (!could_pack(at::kBFloat16)) return c10::nullopt;
-  TORCH_CHECK(K % 2 == 0 && N % 16 == 0, "K even, N a multiple of 16");
+  if (!dsattn_native::packed_gemm(at::kBFloat16)) return c10::nullopt;
+  const bool any_width = dsattn_native::gemm_kind(at::kBFloat16) == dsattn_native::KIND_AVX512BF16;
+  TORCH_CHECK(K % 2 == 0 && (N % 16 == 0 || any_width), "K even, N a multiple of 16 (any N on the vdpbf16ps path)");
   const auto A = at::randn({M, K}).to(at::kBFloat16).contiguous();
   const auto B = at::randn({K, N}).to(at::kBFloat16).contiguous();
   Buffer<uint16_t> packed(K * N);
@@ -1188,9 +1191,9 @@ c10::optional<double> packed_gemm_error(int64_t M, int64_t K, int64_t N) {
   const auto* bp = reinterpret_cast<const at::BFloat16*>(packed.data());
   for (int64_t d0 = 0; d0 < N; d0 += PANEL) {
     const int64_t w = std::min(PANEL, N - d0);
-    brgemm(M, w, K, K, w, N, false, A.data_ptr<at::BFloat16>(), bp + d0 * K, C.data_ptr<float>() + d0, true);
+    gemm(M, w, K, K, w, N, false, A.data_ptr<at::BFloat16>(), bp + d0 * K, C.data_ptr<float>() + d0, true);
   }
-  brgemm_release(true);
+  dsattn_native::gemm_release<at::BFloat16>();
   const auto A64 = A.to(at::kDouble), B64 = B.to(at::kDouble);
   const auto bound = at::matmul(A64.abs(), B64.abs());
   return ((C.to(at::kDouble) - at::matmul(A64, B64)).abs() / bound).max().item<double>();

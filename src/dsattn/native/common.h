@@ -25,6 +25,8 @@
 #define DSATTN_HAVE_BRGEMM 0
 #endif
 
+#include "gemm.h"
+
 namespace dsattn_native {
 
 // The widest B panel of one GEMM call.  A packed 16-bit B panel of w columns is [K/2][w][2]: what
@@ -36,22 +38,6 @@ namespace dsattn_native {
 constexpr int64_t PANEL = 512;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// ---- which GEMM a dtype runs ----
-//
-// The packed half-precision ukernel where the CPU multiplies bf16 / fp16 natively (AVX512-BF16 /
-// AMX: cpublas::could_pack), else fp32 GEMMs on rows widened as they are read (AVX2, AVX-512F).
-// set_fp32_gemm(true) forces the fp32 path on any CPU: the tests run the path AVX2-only machines
-// take, and the benchmarks time it (dsattn.native.fp32_gemm()).
-inline std::atomic<bool>& fp32_gemm_forced() {
-  static std::atomic<bool> forced{false};
-  return forced;
-}
-
-inline bool packed_gemm(at::ScalarType dt) {
-  return (dt == at::kBFloat16 || dt == at::kHalf) && !fp32_gemm_forced().load(std::memory_order_relaxed) &&
-         at::native::cpublas::could_pack(dt);
-}
 
 // Calls f(scalar_t(), mm_t()) for a query dtype: scalar_t the dtype, mm_t the GEMM operand type
 // (the dtype itself on the packed path, float otherwise).

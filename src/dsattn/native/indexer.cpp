@@ -35,8 +35,8 @@
 
 namespace {
 
-using at::native::cpublas::brgemm;
-using at::native::cpublas::brgemm_release;
+using dsattn_native::gemm;
+using dsattn_native::gemm_release;
 
 constexpr int64_t CHUNK = 128;  // keys per chunk: the fp32 scores [CHUNK, Hp] stay in L1 for the head sum
 // A decode row streams its keys from memory as the GEMM's A operand.  AMX tile loads that miss the
@@ -390,9 +390,9 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
             const int64_t pw = std::min(PANEL, Hp - h0);
             float* cm = c.data() + m0 * Hp + h0;
             if constexpr (packed)
-              brgemm(ms, pw, Dp, Dp, pw, Hp, false, ka + m0 * Dp, qb.data() + h0 * Dp, cm, true);
+              gemm(ms, pw, Dp, Dp, pw, Hp, false, ka + m0 * Dp, qb.data() + h0 * Dp, cm, true);
             else
-              brgemm(ms, pw, Dp, Dp, Hp, Hp, false, ka + m0 * Dp, qb.data() + h0, cm, false);
+              gemm(ms, pw, Dp, Dp, Hp, Hp, false, ka + m0 * Dp, qb.data() + h0, cm, false);
           }
         }
         sum_heads(c.data(), valid, Hp, wpad.data(), score.data());
@@ -437,7 +437,7 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
           const mm_t* panel = panels.data();
           for (size_t i = 0; i < chunk_at.size() && chunk_at[i] < count; ++i) {
             const int64_t w = round_up(chunk_n[i], 16), valid = std::min(chunk_n[i], count - chunk_at[i]);
-            brgemm(H, w, Dp, Dp, w, CHUNK, false, a, panel, c.data(), packed);
+            gemm(H, w, Dp, Dp, w, CHUNK, false, a, panel, c.data(), packed);
             head_sum_by_rows(c.data(), H, CHUNK, valid, wp + t * H, score.data());
             best[t - r0].add(score.data(), valid, chunk_at[i]);
             panel += w * Dp;
@@ -465,7 +465,7 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
       }
       t = run;
     }
-    if (packed) brgemm_release(true);
+    gemm_release<mm_t>();
   });
 }
 

@@ -62,9 +62,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("rows"), pybind11::arg("sinks"), pybind11::arg("scale"), pybind11::arg("dq") = pybind11::none());
   m.def("kernels_available", [] { return bool(DSATTN_HAVE_BRGEMM); },
         "whether this torch exports the batch-reduce GEMM the attention and indexer kernels run on");
-  m.def("set_fp32_gemm", [](bool on) { dsattn_native::fp32_gemm_forced().store(on); },
-        "force the fp32 GEMM path (the one AVX2-only CPUs take) on any CPU, or back to the CPU's best");
-  m.def("attention_gemm", &attention_gemm, "which GEMM the forward runs for a query dtype: packed or fp32");
+  m.def("set_gemm_path", [](const std::string& path) {
+          TORCH_CHECK_VALUE(path == "best" || path == "avx512bf16" || path == "fp32",
+                            "gemm path: expected 'best', 'avx512bf16' or 'fp32', got '", path, "'");
+          TORCH_CHECK_VALUE(path != "avx512bf16" || dsattn_native::cpu_has_avx512bf16(),
+                            "gemm path 'avx512bf16': this CPU has no AVX512-BF16");
+          dsattn_native::gemm_request().store(path == "best" ? dsattn_native::GEMM_BEST
+                                              : path == "fp32" ? dsattn_native::GEMM_FP32
+                                                               : dsattn_native::GEMM_AVX512BF16);
+        },
+        "the GEMM path: the CPU's best (AMX -> AVX512-BF16 -> fp32), or one forced on any CPU that has it");
+  m.def("cpu_has_avx512bf16", &dsattn_native::cpu_has_avx512bf16, "whether this CPU has AVX512-BF16 (vdpbf16ps)");
+  m.def("attention_gemm", &attention_gemm, "which GEMM the kernels run for a query dtype: amx, avx512bf16 or fp32");
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
   m.def("packed_gemm_error", &packed_gemm_error, "test hook: a GEMM through our packed panels against an fp64 matmul");
   m.def("fp8_decode_matches", &fp8_decode_matches, "test hook: the packed rows' fp8 decode equals c10's for all 256 codes");
