@@ -633,6 +633,8 @@ CLI = [
     (["plan", "--lengths", "abc"], "--lengths"),
     (["plan", "--lengths", "4:x"], "--lengths"),
     (["plan", "--lengths", "1:-3"], "--lengths"),
+    (["plan", "--lengths", "1:99999999999"], "--lengths"),
+    (["bench", "--emulate-avx2", "--emulate-avx512bf16"], "--emulate-avx2"),
     (["plan", "--cores", "0"], "--cores"),
     (["plan", "--cores", "99"], "--cores"),
     (["plan", "--aiv", "100"], "--aiv"),

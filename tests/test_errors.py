@@ -156,3 +156,42 @@ def test_content_checks_can_be_switched_off():
         dsattn.set_content_checks(True)
     with pytest.raises(ValueError):
         ops.sparse_flash_mla(q, **kw)
+
+
+# ----------------------------------------------------------------------------- the argument at fault
+def test_paged_indexer_lengths_past_the_block_table_name_it():
+    q, k, w = torch.randn(2, 3, H, D), torch.randn(6, 4, 1, D), torch.randn(2, 3, H)
+    table = torch.tensor([[0, 1, -1], [2, 3, -1]], dtype=torch.int32)
+    paged = dict(block_table=table, layout_k="PA_BBND")
+    with pytest.raises(ValueError, match=r"^block_table: entry \[0, 2\] = -1 is needed for key 8 of batch 0 "
+                                         r"\(seqused_k reads 12 keys\)"):
+        ops.lightning_indexer(q, k, w, 4, seqused_k=torch.tensor([12, 3], dtype=torch.int32), **paged)
+    with pytest.raises(ValueError, match=r"^seqused_k: batch 0 reads 13 keys, past what block_table maps"):
+        ops.lightning_indexer(q, k, w, 4, seqused_k=torch.tensor([13, 3], dtype=torch.int32), **paged)
+
+
+def test_a_float64_activation_with_half_precision_weights_names_the_activation():
+    x = torch.randn(2, 8, 64, dtype=torch.float64)
+    wkv = torch.randn(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^x: dtype torch.float64 needs float64 wkv"):
+        ops.compressor(x, wkv, wkv.clone(), torch.zeros(1, 8, 64), torch.zeros(4, 32), 4)
+    q, kv = torch.randn(1, 2, 4, 64, dtype=torch.float64), torch.randn(1, 8, 1, 64, dtype=torch.bfloat16)
+    common = dict(ori_kv=kv, softmax_scale=0.1)
+    with pytest.raises(TypeError, match=r"^q: dtype torch.float64 needs float64 ori_kv"):
+        ops.sparse_attn_sharedkv(q, layout_q="BSND", layout_kv="BSND", **common)
+    with pytest.raises(TypeError, match=r"^q: dtype torch.float64 needs float64 ori_kv"):
+        ops.sparse_flash_mla(q, layout_q="BSND", layout_kv="BSND", **common)
+    with pytest.raises(TypeError, match=r"^query: dtype torch.float64 needs float64 ori_kv"):
+        dsattn.npu_sparse_flash_mla(q, layout="BSND", **common)
+    with pytest.raises(ValueError, match=r"^cu_seq_lens_q: "):       # the wrapper's own spelling, in its errors
+        dsattn.npu_sparse_flash_mla(q.bfloat16(), layout="BSND", cu_seq_lens_q=torch.tensor([0, 2], dtype=torch.int32),
+                                    **common)
+
+
+def test_store_rows_refuses_meta_and_mixed_devices():
+    from dsattn.serving.caches import store_rows
+    slots = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match=r"^cache: is on the meta device"):
+        store_rows(torch.empty(4, 16, 1, 64, device="meta"), torch.randn(3, 1, 64), slots)
+    with pytest.raises(ValueError, match=r"^rows: is on meta but cache is on cpu"):
+        store_rows(torch.zeros(4, 16, 1, 64), torch.randn(3, 1, 64, device="meta"), slots)

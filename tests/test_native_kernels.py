@@ -443,3 +443,12 @@ def test_vdpbf16ps_micro_kernel_masks_any_width(native_module, request, M, K, N)
     _force_gemm(request, native_module, "avx512bf16")
     err = native_module.packed_gemm_error(M, K, N)
     assert err is not None and err <= K * 2.0 ** -24, err
+
+
+@pytest.mark.parametrize("H", [1, 14, 16, 64, 70])
+def test_indexer_head_sums_give_the_same_bits_in_both_layouts(native_module, H):
+    # the one-row path (key-major scores) and the shared-key path (head-major) sum a key's heads in
+    # one order, NaN and -0.0 included, on every implementation this CPU runs
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    assert all(native_module.indexer_head_sums_match(H, n) for n in (1, 5, 16, 17, 64, 130))

@@ -32,6 +32,9 @@ def _int_at_least(lo: int):
     return parse
 
 
+INT32_MAX = 2**31 - 1
+
+
 def _parse_lengths(text: str) -> list[tuple[int, int]]:
     """``"1:8192,1:65536,2048:4096"`` -> [(q tokens, kv tokens), ...]; ``"N"`` alone means N:N."""
     out = []
@@ -44,6 +47,9 @@ def _parse_lengths(text: str) -> list[tuple[int, int]]:
                                              f"got {item.strip()!r} in {text!r}") from None
         if pair[0] < 0 or pair[1] < 0:
             raise argparse.ArgumentTypeError(f"token counts must be >= 0, got {item.strip()!r}")
+        if max(pair) > INT32_MAX:                  # the planner's length mirrors are int32
+            raise argparse.ArgumentTypeError(f"token counts must be <= {INT32_MAX} (int32 lengths), "
+                                             f"got {item.strip()!r}")
         out.append(pair)
     return out
 

@@ -10,6 +10,8 @@ expose are fixed (``metadata=None``, ``max_seqlen_q=-1``, ``topk_value_mode=1``,
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import ops
@@ -93,6 +95,23 @@ class SparseFlashMlaFunction(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+# The operators' argument names -> this module's (CANN's torch_npu spelling), for error messages.
+_CANN_NAMES = {"q": "query", "cu_seqlens_q": "cu_seq_lens_q", "cu_seqlens_ori_kv": "cu_seq_lens_ori_kv",
+               "cu_seqlens_cmp_kv": "cu_seq_lens_cmp_kv", "layout_q": "layout", "layout_kv": "layout"}
+
+
+@contextlib.contextmanager
+def _cann_names():
+    """Re-raise an operator's argument error under the name the caller used."""
+    try:
+        yield
+    except (ValueError, TypeError, NotImplementedError) as e:
+        name, sep, why = str(e).partition(": ")
+        if sep and name in _CANN_NAMES and type(e) in (ValueError, TypeError, NotImplementedError):
+            raise type(e)(f"{_CANN_NAMES[name]}: {why}") from None
+        raise
+
+
 def npu_sparse_flash_mla(query, *, ori_kv=None, cmp_kv=None, cmp_sparse_indices=None,
                          cu_seq_lens_q=None, cu_seq_lens_ori_kv=None, cu_seq_lens_cmp_kv=None,
                          seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None,
@@ -108,8 +127,9 @@ def npu_sparse_flash_mla(query, *, ori_kv=None, cmp_kv=None, cmp_sparse_indices=
                    seqused_cmp_kv=seqused_cmp_kv, cmp_residual_kv=cmp_residual_kv)
     attrs = dict(softmax_scale=softmax_scale, cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode,
                  cmp_mask_mode=cmp_mask_mode, ori_win_left=ori_win_left, ori_win_right=ori_win_right)
-    return SparseFlashMlaFunction.apply(query, ori_kv, cmp_kv, sinks, cmp_sparse_indices, lengths, attrs,
-                                        layout, return_softmax_lse)
+    with _cann_names():
+        return SparseFlashMlaFunction.apply(query, ori_kv, cmp_kv, sinks, cmp_sparse_indices, lengths, attrs,
+                                            layout, return_softmax_lse)
 
 
 def npu_sparse_flash_mla_grad(query, dout, attn_out, softmax_lse, *, ori_kv=None, cmp_kv=None,
@@ -122,6 +142,17 @@ def npu_sparse_flash_mla_grad(query, dout, attn_out, softmax_lse, *, ori_kv=None
     """Backward of the two-branch attention -> ``(d_query, d_ori_kv, d_cmp_kv, d_sinks,
     ori_softmax_l1_norm, cmp_softmax_l1_norm)``."""
     layout = _layout(layout)
+    with _cann_names():
+        return _grad(query, dout, attn_out, softmax_lse, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices,
+                     cu_seq_lens_q, cu_seq_lens_ori_kv, cu_seq_lens_cmp_kv, seqused_q, seqused_ori_kv, seqused_cmp_kv,
+                     cmp_residual_kv, ori_topk_length, cmp_topk_length, sinks, softmax_scale, cmp_ratio,
+                     ori_mask_mode, cmp_mask_mode, ori_win_left, ori_win_right, layout)
+
+
+def _grad(query, dout, attn_out, softmax_lse, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, cu_seq_lens_q,
+          cu_seq_lens_ori_kv, cu_seq_lens_cmp_kv, seqused_q, seqused_ori_kv, seqused_cmp_kv, cmp_residual_kv,
+          ori_topk_length, cmp_topk_length, sinks, softmax_scale, cmp_ratio, ori_mask_mode, cmp_mask_mode,
+          ori_win_left, ori_win_right, layout):
     return ops.sparse_flash_mla_grad(
         query, dout, attn_out, softmax_lse, ori_kv=ori_kv, cmp_kv=cmp_kv, ori_sparse_indices=ori_sparse_indices,
         cmp_sparse_indices=cmp_sparse_indices, cu_seqlens_q=cu_seq_lens_q, cu_seqlens_ori_kv=cu_seq_lens_ori_kv,

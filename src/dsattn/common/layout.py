@@ -204,6 +204,28 @@ class KVSource:
         fail(self.table_name, f"entry [{b}, {x // bs}] = {int(self.block_table[b, x // bs])} is needed for "
              f"position {x} but is not in [0, num_blocks={nb})")
 
+    def check_table_covers(self, needed: torch.Tensor, used_name: str) -> None:
+        """ValueError naming the length argument or the block table when batch ``b``'s first
+        ``needed[b]`` keys are not all in blocks of the cache (a content check: CPU tensors).  Kernels
+        that read a request's keys block by block check this once per call instead of per key."""
+        if self.layout != PAGED:
+            return
+        bs, nbt, nb = self.tensor.size(1), self.block_table.size(1), self.tensor.size(0)
+        needed = needed.to(torch.int64).cpu()
+        cols = (needed + bs - 1) // bs
+        over = (cols > nbt).nonzero()
+        if over.numel():
+            b = int(over[0, 0])
+            fail(used_name, f"batch {b} reads {int(needed[b])} keys, past what {self.table_name} maps: {nbt} columns "
+                 f"of block_size {bs} ({nbt * bs} keys)")
+        table = self.block_table.cpu().to(torch.int64)
+        bad = (torch.arange(nbt)[None, :] < cols[:, None]) & ((table < 0) | (table >= nb))
+        where = bad.nonzero()
+        if where.numel():
+            b, c = (int(v) for v in where[0])
+            fail(self.table_name, f"entry [{b}, {c}] = {int(table[b, c])} is needed for key {c * bs} of batch {b} "
+                 f"({used_name} reads {int(needed[b])} keys) but is not in [0, num_blocks={nb})")
+
     def rows_index(self, b: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, check: bool = False) -> torch.Tensor:
         """:meth:`flat_index` of :meth:`locate`'s addresses in one step (the same numbers, the same
         errors): for paged CPU caches one compiled call (``dsattn.native``), else those two methods.

@@ -156,6 +156,11 @@ def parse_compressor(x, wkv, wgate, state_cache, ape, cmp_ratio=4, *, state_bloc
         fail("cmp_ratio", f"value {cmp_ratio} must be >= 1")
     check_choice("cache_mode", cache_mode, (CACHE_BY_POSITION, CACHE_EXPLICIT))
     H = x.size(-1)
+    if x.dtype == torch.float64 and isinstance(wkv, torch.Tensor) and wkv.dtype != torch.float64:
+        # float64 is dsattn's extension for gradient checks, whole-call: x is the odd one out
+        fail("x", f"dtype torch.float64 needs float64 wkv, wgate, state_cache and ape too (dsattn's float64 "
+             f"extension for gradient checks), got wkv {wkv.dtype}; with {wkv.dtype} weights pass x as {wkv.dtype}",
+             TypeError)
     for name, w in (("wkv", wkv), ("wgate", wgate)):
         check_dtype(name, w, x.dtype, "the dtype of x")
         if w.dim() != 2 or w.size(1) != H or w.size(0) % coff or w.size(0) == 0:

@@ -4,8 +4,9 @@ Why a build on first use rather than at ``pip install``: the extension is compil
 torch that is actually imported (a wheel built against another torch version would not load), it
 needs no build-time torch in pip's isolated build environment, and the package installs on a
 machine without a compiler.  The build takes ~30-60 s once; the result is cached under
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), keyed by the sources, the flags
-and the torch version, and concurrent processes wait on one build (cpp_extension's file lock).
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in a directory keyed by the sources,
+the flags, the compiler and the torch version; concurrent processes wait on one build under a lock
+that dies with its holder, and a killed build is never loaded (:mod:`dsattn.native.build`).
 
 ``DSATTN_NATIVE=0`` skips it (the PyTorch / NumPy paths run); if the build fails (no compiler,
 no ninja) one ``RuntimeWarning`` says so and the same fallback runs.  :func:`status` says which
@@ -20,12 +21,7 @@ other machines take, tested and timed on one that has more.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
-import subprocess
-import sys
-import time
 import warnings
 
 _SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp")
@@ -38,60 +34,15 @@ def requested() -> bool:
     return os.environ.get("DSATTN_NATIVE", "1").strip() not in ("0", "false", "off", "no")
 
 
-_BUILD_TIMEOUT_S = 900
 # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled here (without
 # the flag the rows would run on one thread); torch itself links the same libgomp.
 _CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 
 
-def _build_args() -> dict:
-    import torch
+def _paths(names) -> list[str]:
     here = os.path.dirname(os.path.abspath(__file__))
-    return dict(name="dsattn_native_" + re.sub(r"\W", "_", torch.__version__),
-                sources=[os.path.join(here, s) for s in _SOURCES], extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False)
-
-
-def _build_in_child(args: dict, build_dir: str) -> None:
-    """Compile in a fresh interpreter with no stdin and a time limit: the compiler and ninja must not
-    share this process's stdio (a pytest-xdist worker's stdin is its control channel) and a
-    stuck or killed build must not leave every later process waiting on its lock."""
-    code = ("import json, sys; from torch.utils.cpp_extension import load; "
-            "load(**json.loads(sys.argv[1]))")
-    lock = os.path.join(build_dir, "lock")
-    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > _BUILD_TIMEOUT_S:
-        os.remove(lock)                              # left by a build that was killed
-    try:
-        subprocess.run([sys.executable, "-c", code, json.dumps(args)], stdin=subprocess.DEVNULL,
-                       capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=True)
-    except subprocess.TimeoutExpired:
-        if os.path.exists(lock):                     # the killed build's lock would block everyone
-            os.remove(lock)
-        raise RuntimeError(f"the build took over {_BUILD_TIMEOUT_S} s") from None
-    except subprocess.CalledProcessError as exc:
-        lines = [x for x in (exc.stderr or "").strip().splitlines() if x.strip()]
-        raise RuntimeError(lines[-1] if lines else f"build exited {exc.returncode}") from None
-
-
-def _stamp(args: dict) -> str:
-    """What the build depends on: the sources' contents, the flags and the torch version."""
-    import hashlib
-
-    import torch
-    h = hashlib.sha256(f"{torch.__version__} {args['extra_cflags']}".encode())
-    here = os.path.dirname(os.path.abspath(__file__))
-    for src in args["sources"] + [os.path.join(here, x) for x in _HEADERS]:
-        with open(src, "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
+    return [os.path.join(here, s) for s in names]
 
 
 @contextlib.contextmanager
@@ -150,19 +101,12 @@ def load():
         return None
     if "module" in _state:
         return _state["module"]
-    from torch.utils import cpp_extension
+    from .build import build_and_load
     gemm = gemm_requested()                          # (a bad value is the caller's error, not a build failure)
-    args = _build_args()
     try:
-        build_dir = cpp_extension._get_build_directory(args["name"], False)
-        stamp_path, stamp = os.path.join(build_dir, "dsattn.stamp"), _stamp(args)
-        if not _read(stamp_path) == stamp:
-            print("dsattn: building the compiled kernel layer (once per torch version, about a minute)...",
-                  file=sys.stderr, flush=True)
-            _build_in_child(args, build_dir)
-            with open(stamp_path, "w") as f:
-                f.write(stamp)
-        module = cpp_extension.load(**args)          # up to date: ninja has nothing to do, the module imports
+        module, _ = build_and_load("dsattn_native", _paths(_SOURCES), _paths(_HEADERS), _CFLAGS, _LDFLAGS,
+                                   announce="dsattn: building the compiled kernel layer (once per version of "
+                                            "its sources, torch and compiler; about a minute)...")
         _state.update(module=module, error=None)
     except Exception as exc:                        # no compiler / ninja, or a build error
         first = (str(exc).strip().splitlines() or [""])[0][:300]

@@ -26,6 +26,7 @@
 #include "common.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -54,92 +55,151 @@ constexpr int64_t KEY_BLOCK = 1024;
 using dsattn_native::PANEL;
 using dsattn_native::round_up;
 
-// The lane sums of 16 vectors as one vector: lane j holds the sum of v[j]'s lanes.  A tree of
+// ---- the head sum: score[key] = sum_h w[h] * relu(c[key, h]) ----
+//
+// One order of operations on every path, so that a row's scores never depend on which path its
+// batch sends it down (a request alone, or in a run of rows long enough for the shared-key path),
+// on where a key falls in a block, or on the vector width.  Heads are padded to Hp (a multiple of
+// 16; padded heads have w = 0 and score 0).  Lane l (0..15) accumulates heads l, l + 16, l + 32, ...
+// in order, one fused multiply-add each from +0; the 16 lanes are then summed in the fixed tree
+//   S_G = (p[4G] + p[4G+2]) + (p[4G+1] + p[4G+3]),  total = (S_0 + S_1) + (S_2 + S_3),
+// which is what lane_sums16 computes for 16 keys at once in key-major layout.  relu(x) is
+// max(0, x) with x kept when NaN (as torch), and -0.0 kept as -0.0.
+
+inline float relu_keep_nan(float x) { return x > 0.0f || x != x ? x : (x == 0.0f ? x : 0.0f); }
+
+inline float tree16(const float* p) {
+  float s[4];
+  for (int g = 0; g < 4; ++g) s[g] = (p[4 * g] + p[4 * g + 2]) + (p[4 * g + 1] + p[4 * g + 3]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+// The lane sums of 16 vectors as one vector: lane j holds tree16 of v[j]'s lanes.  A tree of
 // shuffles and adds (45 instructions) where 16 separate horizontal sums would take about 130.
 __attribute__((target("avx512f"))) inline __m512 lane_sums16(__m512 v[16]) {
   __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)      // per 128-bit lane: rows 2i, 2i + 1 interleaved, half summed
+  for (int i = 0; i < 8; ++i)      // per 128-bit lane: elements e + e+2 of rows 2i, 2i + 1 interleaved
     a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {    // per 128-bit lane: rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {    // per 128-bit lane: (e0 + e2) + (e1 + e3) of rows 4i .. 4i + 3
     const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
     b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
-  for (int i = 0; i < 2; ++i)      // 128-bit lanes: b[2i] lanes 0+1, 2+3, then b[2i + 1]'s
+  for (int i = 0; i < 2; ++i)      // 128-bit lanes: S_0 + S_1 and S_2 + S_3
     c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
-// out[j] = sum_h w[h] * relu(c[j, h]) over Hp heads (w zero past the real heads); NaN propagates
-// through relu as in torch (max(0, x) returns x when x is NaN).  16 keys at a time.
-__attribute__((target("avx512f"))) void head_sum_avx512(const float* c, int64_t M, int64_t Hp, const float* w,
-                                                        float* out) {
+// Key-major scores c [M, Hp] (the one-row path): 16 keys at a time, a lane vector per key.
+__attribute__((target("avx512f"))) void head_sum_keys_avx512(const float* c, int64_t M, int64_t Hp, const float* w,
+                                                             float* out) {
   const __m512 zero = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= M; j += 16) {
+  for (int64_t j = 0; j < M; j += 16) {
+    const int64_t keys = std::min<int64_t>(16, M - j);
     __m512 acc[16];
     for (int r = 0; r < 16; ++r) acc[r] = zero;
     for (int64_t h = 0; h < Hp; h += 16) {
       const __m512 wh = _mm512_loadu_ps(w + h);
-      for (int r = 0; r < 16; ++r)
+      for (int r = 0; r < keys; ++r)   // MAXPS returns its second operand for NaN (and for -0.0)
         acc[r] = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(c + (j + r) * Hp + h)), wh, acc[r]);
     }
-    _mm512_storeu_ps(out + j, lane_sums16(acc));
-  }
-  for (; j < M; ++j) {
-    __m512 acc = zero;
-    for (int64_t h = 0; h < Hp; h += 16)
-      acc = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(c + j * Hp + h)), _mm512_loadu_ps(w + h), acc);
-    out[j] = _mm512_reduce_add_ps(acc);
+    const __m512 sums = lane_sums16(acc);
+    _mm512_mask_storeu_ps(out + j, keys >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << keys) - 1), sums);
   }
 }
 
-__attribute__((target("avx2,fma"))) void head_sum_avx2(const float* c, int64_t M, int64_t Hp, const float* w,
-                                                       float* out) {
-  const __m256 zero = _mm256_setzero_ps();
-  for (int64_t j = 0; j < M; ++j) {
-    __m256 acc = zero;
-    for (int64_t h = 0; h < Hp; h += 8)
-      acc = _mm256_fmadd_ps(_mm256_max_ps(zero, _mm256_loadu_ps(c + j * Hp + h)), _mm256_loadu_ps(w + h), acc);
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    out[j] = _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-  }
-}
-
-void head_sum_scalar(const float* c, int64_t M, int64_t Hp, const float* w, float* out) {
-  for (int64_t j = 0; j < M; ++j) {
-    float acc = 0.0f;
-    for (int64_t h = 0; h < Hp; ++h) {
-      const float x = c[j * Hp + h];
-      acc += w[h] * (x > 0.0f || x != x ? x : 0.0f);
+// Head-major scores c [H, ldc] (the shared-key path): 16 keys per vector, a vector per lane.
+__attribute__((target("avx512f"))) void head_sum_heads_avx512(const float* c, int64_t H, int64_t ldc, int64_t n,
+                                                              const float* w, float* out) {
+  const __m512 zero = _mm512_setzero_ps();
+  const int64_t Hp = round_up(H, 16);
+  const int64_t Hfull = H / 16 * 16;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    __m512 p[16];
+    for (int l = 0; l < 16; ++l) p[l] = zero;
+    if (m == 0xFFFF) {
+      for (int64_t h0 = 0; h0 < Hfull; h0 += 16)
+        for (int l = 0; l < 16; ++l)
+          p[l] = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(c + (h0 + l) * ldc + j)), _mm512_set1_ps(w[h0 + l]),
+                                 p[l]);
+    } else {
+      for (int64_t h0 = 0; h0 < Hfull; h0 += 16)
+        for (int l = 0; l < 16; ++l)
+          p[l] = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_maskz_loadu_ps(m, c + (h0 + l) * ldc + j)),
+                                 _mm512_set1_ps(w[h0 + l]), p[l]);
     }
-    out[j] = acc;
+    if (Hfull < Hp)
+      for (int l = 0; l < 16; ++l) {
+        const int64_t h = Hfull + l;     // a padded head adds max(0, +0) * 0 = +0, as in key-major
+        const __m512 x = h < H ? _mm512_maskz_loadu_ps(m, c + h * ldc + j) : zero;
+        p[l] = _mm512_fmadd_ps(_mm512_max_ps(zero, x), _mm512_set1_ps(h < H ? w[h] : 0.0f), p[l]);
+      }
+    __m512 s[4];
+    for (int g = 0; g < 4; ++g)
+      s[g] = _mm512_add_ps(_mm512_add_ps(p[4 * g], p[4 * g + 2]), _mm512_add_ps(p[4 * g + 1], p[4 * g + 3]));
+    _mm512_mask_storeu_ps(out + j, m, _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3])));
   }
 }
 
-using HeadSum = void (*)(const float*, int64_t, int64_t, const float*, float*);
-HeadSum head_sum() {
-  static const HeadSum fn = __builtin_cpu_supports("avx512f") ? head_sum_avx512
-                            : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? head_sum_avx2
-                                                                                               : head_sum_scalar;
-  return fn;
+// Without AVX-512: the same lanes and tree, one key at a time (fma() is the same fused step).
+void head_sum_keys_scalar(const float* c, int64_t M, int64_t Hp, const float* w, float* out) {
+  for (int64_t j = 0; j < M; ++j) {
+    float p[16] = {};
+    for (int64_t h = 0; h < Hp; ++h) p[h % 16] = std::fma(relu_keep_nan(c[j * Hp + h]), w[h], p[h % 16]);
+    out[j] = tree16(p);
+  }
 }
 
-// out[j] = sum_h w[h] * relu(c[h, j]) for j < n over H rows of c (row stride ldc): the head sum of
-// scores laid out head-major (the shared-key path), in vertical adds.  NaN propagates through relu.
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void head_sum_by_rows(const float* __restrict__ c, int64_t H, int64_t ldc, int64_t n, const float* __restrict__ w,
-                      float* __restrict__ out) {
-  for (int64_t j = 0; j < n; ++j) out[j] = 0.0f;
-  for (int64_t h = 0; h < H; ++h) {
-    const float wh = w[h];
-    const float* row = c + h * ldc;
-    for (int64_t j = 0; j < n; ++j) {
-      const float x = row[j];
-      out[j] += wh * (x < 0.0f ? 0.0f : x);             // (NaN < 0 is false: NaN stays)
+void head_sum_heads_scalar(const float* c, int64_t H, int64_t ldc, int64_t n, const float* w, float* out) {
+  const int64_t Hp = round_up(H, 16);
+  for (int64_t j = 0; j < n; ++j) {
+    float p[16] = {};
+    for (int64_t h = 0; h < Hp; ++h)
+      p[h % 16] = std::fma(h < H ? relu_keep_nan(c[h * ldc + j]) : 0.0f, h < H ? w[h] : 0.0f, p[h % 16]);
+    out[j] = tree16(p);
+  }
+}
+
+using HeadSumKeys = void (*)(const float*, int64_t, int64_t, const float*, float*);
+using HeadSumHeads = void (*)(const float*, int64_t, int64_t, int64_t, const float*, float*);
+
+// out[j] = sum_h w[h] * relu(c[j, h]) over Hp heads, c key-major [M, Hp] (w zero past the real heads)
+void head_sum_keys(const float* c, int64_t M, int64_t Hp, const float* w, float* out) {
+  static const HeadSumKeys fn = __builtin_cpu_supports("avx512f") ? head_sum_keys_avx512 : head_sum_keys_scalar;
+  fn(c, M, Hp, w, out);
+}
+
+// out[j] = sum_h w[h] * relu(c[h, j]) for j < n over H rows of c (row stride ldc): the same bits
+void head_sum_by_rows(const float* c, int64_t H, int64_t ldc, int64_t n, const float* w, float* out) {
+  static const HeadSumHeads fn = __builtin_cpu_supports("avx512f") ? head_sum_heads_avx512 : head_sum_heads_scalar;
+  fn(c, H, ldc, n, w, out);
+}
+
+// Test hook: both layouts give the same bits, on every implementation this CPU runs, for keys
+// of random scores (NaN, -0.0, ties included) with H heads.
+bool head_sums_match(int64_t H, int64_t n) {
+  const int64_t Hp = round_up(H, 16);
+  std::vector<float> keys(n * Hp, 0.0f), heads(H * n), w(Hp, 0.0f), want(n), got(n);
+  uint32_t state = 12345u + uint32_t(H * 31 + n);
+  auto next = [&] { state = state * 1664525u + 1013904223u; return float(int32_t(state >> 8) - (1 << 23)) / (1 << 20); };
+  for (int64_t h = 0; h < H; ++h) w[h] = next();
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < H; ++h) {
+      float x = next();
+      if ((j * 7 + h) % 29 == 0) x = -0.0f;
+      if ((j * 5 + h) % 97 == 3) x = std::numeric_limits<float>::quiet_NaN();
+      keys[j * Hp + h] = heads[h * n + j] = x;
     }
-  }
+  std::vector<HeadSumKeys> key_fns{head_sum_keys_scalar};
+  std::vector<HeadSumHeads> head_fns{head_sum_heads_scalar};
+  if (__builtin_cpu_supports("avx512f")) key_fns.push_back(head_sum_keys_avx512), head_fns.push_back(head_sum_heads_avx512);
+  head_sum_keys_scalar(keys.data(), n, Hp, w.data(), want.data());
+  auto same = [&] { return std::memcmp(want.data(), got.data(), n * sizeof(float)) == 0; };
+  bool ok = true;
+  for (auto f : key_fns) f(keys.data(), n, Hp, w.data(), got.data()), ok = ok && same();
+  for (auto f : head_fns) f(heads.data(), H, n, n, w.data(), got.data()), ok = ok && same();
+  return ok;
 }
 
 // The golden's order as one unsigned key: scores descending (NaN first, as torch.topk ranks it),
@@ -348,7 +408,6 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
   const int64_t* np = n.data_ptr<int64_t>();
   float* vp = values.data_ptr<float>();
   int32_t* ip = indices.data_ptr<int32_t>();
-  const HeadSum sum_heads = head_sum();
   const int64_t words = Dp * static_cast<int64_t>(sizeof(mm_t)) / 4;   // 32-bit words per key row of ka
   // a row's cost: its keys, plus about 64 keys' worth for its query and its top-k
   dsattn_native::parallel_rows(R, [&](int64_t t) { return np[t] > 0 ? np[t] + 64 : 1; }, [&](int64_t t0, int64_t t1) {
@@ -395,7 +454,7 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
               gemm(ms, pw, Dp, Dp, Hp, Hp, false, ka + m0 * Dp, qb.data() + h0, cm, false);
           }
         }
-        sum_heads(c.data(), valid, Hp, wpad.data(), score.data());
+        head_sum_keys(c.data(), valid, Hp, wpad.data(), score.data());
         top.add(score.data(), valid, j0);
         j0 += valid;
       }
@@ -515,11 +574,16 @@ std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys
   return {values, indices};
 }
 
+// test hook: the head sums of both score layouts give the same bits on every implementation here
+bool indexer_head_sums_match(int64_t H, int64_t n) { return head_sums_match(H, n); }
+
 #else  // !DSATTN_HAVE_BRGEMM
 
 std::vector<at::Tensor> indexer_topk(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
                                      const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled indexer is not available");
 }
+
+bool indexer_head_sums_match(int64_t, int64_t) { return true; }
 
 #endif

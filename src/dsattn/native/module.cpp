@@ -35,6 +35,8 @@ std::vector<torch::Tensor> indexer_topk(const torch::Tensor& q, const torch::Ten
                                         const torch::Tensor& w, int64_t topk,
                                         const c10::optional<torch::Tensor>& offset);
 
+bool indexer_head_sums_match(int64_t H, int64_t n);
+
 at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Tensor& state,
                            const at::Tensor& kind, const at::Tensor& new_at, const at::Tensor& state_at,
                            const at::Tensor& valid, int64_t coff);
@@ -82,6 +84,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys",
         pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("pages"), pybind11::arg("page"), pybind11::arg("batch"),
         pybind11::arg("n"), pybind11::arg("w"), pybind11::arg("topk"), pybind11::arg("offset") = pybind11::none());
+  m.def("indexer_head_sums_match", &indexer_head_sums_match,
+        "test hook: the indexer's head sums in key-major and head-major layouts give the same bits");
   m.def("compressor_pool", &compressor_pool, "the compressor's gated softmax pooling of output rows over their slots");
   m.def("plan_coverage", &plan_coverage,
         "a plan table read for a call: row geometry, whole rows, partial pieces, FD entries, first violated invariant");

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.checks import content_checks_enabled, fail, host_ints
+from ..common.checks import check_same_device, content_checks_enabled, fail, host_ints
 from ..common.paged import write_rows
 
 
@@ -20,6 +20,10 @@ def store_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tens
     rows are handled by one fixed-size write (:func:`dsattn.common.paged.write_rows`)."""
     if cache.dim() < 2:
         fail("cache", f"expected [num_pages, page_size, *row_shape], got shape {tuple(cache.shape)}")
+    if cache.device.type == "meta":
+        fail("cache", "is on the meta device (shapes only, no storage) but store_rows writes rows into it; "
+             "allocate the cache on a real device")
+    check_same_device(cache=cache, rows=rows, slot_mapping=slot_mapping)
     row_shape = tuple(cache.shape[2:])
     if rows.dtype != cache.dtype:
         fail("rows", f"dtype {rows.dtype} does not match the cache's {cache.dtype}", TypeError)

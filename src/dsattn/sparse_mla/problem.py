@@ -188,6 +188,11 @@ def parse_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_spars
     check_float("q", q, allow_f64=True)
     if ori_kv is None:
         fail("ori_kv", "is required (every scenario has the ori branch)")
+    if q.dtype == torch.float64 and packed is None and ori_kv.dtype != torch.float64:
+        # float64 is dsattn's extension for gradient checks, whole-call: the query is the odd one out
+        fail("q", f"dtype torch.float64 needs float64 ori_kv and cmp_kv too (dsattn's float64 extension for "
+             f"gradient checks), got ori_kv {ori_kv.dtype}; with {ori_kv.dtype} caches pass q as "
+             f"{ori_kv.dtype}", TypeError)
     if packed is None:
         check_dtype("ori_kv", ori_kv, q.dtype, "must match q")
         check_dtype("cmp_kv", cmp_kv, q.dtype, "must match q")
