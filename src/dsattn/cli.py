@@ -73,6 +73,29 @@ def _fuzz(args) -> int:
     return 1 if failed else 0
 
 
+def _batch_invariance(args) -> int:
+    from rich.console import Console
+
+    from .cases import invariance
+    console = Console()
+    if args.family is not None and args.family not in invariance.FAMILIES:
+        print(f"dsattn verify: error: --family: {args.family!r} has no batch-invariance check; expected one of "
+              f"{', '.join(invariance.FAMILIES)}", file=sys.stderr)
+        return 2
+    families = [args.family] if args.family else list(invariance.FAMILIES)
+    seed = args.seed if args.seed is not None else int(torch.randint(0, 2**31 - 10**7, ()).item())
+    failed = 0
+    for fam in families:
+        n, failures = invariance.check_seeds(fam, range(seed, seed + args.batch_invariance))
+        failed += len(failures)
+        status = "[green]bit-identical" if not failures else f"[red]{len(failures)} differing"
+        console.print(f"{fam:>10}: {n} configurations (seeds {seed}..{seed + n - 1}), each request alone vs. in "
+                      f"its batch, 1 vs. {torch.get_num_threads()} threads: {status}")
+        for line in failures:
+            console.print(f"  {line}", markup=False, highlight=False)
+    return 1 if failed else 0
+
+
 def _verify(args) -> int:
     if args.impl == "triton":
         import os
@@ -81,6 +104,8 @@ def _verify(args) -> int:
             os.environ.setdefault("TRITON_INTERPRET", "1")           # before triton is first imported
     if args.fuzz is not None:
         return _fuzz(args)
+    if args.batch_invariance is not None:
+        return _batch_invariance(args)
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -241,9 +266,13 @@ def main(argv=None) -> int:
     v.add_argument("--fuzz", type=_int_at_least(1), metavar="N",
                    help="instead: N random configurations per operator family against the goldens, every row "
                         "no valid query may read poisoned (NaN / 0xFF); failures print their reproduction")
+    v.add_argument("--batch-invariance", type=_int_at_least(1), metavar="N",
+                   help="instead: N random batches per family; every request's rows must be the same bits alone "
+                        "as in its batch, and the batch the same on 1 thread as on all")
     v.add_argument("--family", choices=("mla", "sharedkv", "packed", "indexer", "kl", "qsfa", "compressor"),
-                   help="with --fuzz: one family only")
-    v.add_argument("--seed", type=_int_at_least(0), help="with --fuzz: the first seed (default: random)")
+                   help="with --fuzz / --batch-invariance: one family only")
+    v.add_argument("--seed", type=_int_at_least(0),
+                   help="with --fuzz / --batch-invariance: the first seed (default: random)")
     v.set_defaults(fn=_verify)
     d = sub.add_parser("demo", help="serving simulation: chunked prefill + decode through SWA/CSA/HCA layers")
     d.add_argument("--requests", type=_int_at_least(1), default=32, help="ragged requests (serving simulation)")
@@ -293,8 +322,11 @@ def main(argv=None) -> int:
                     help="instead: print which implementation each piece runs on this machine and exit")
     bn.set_defaults(fn=_bench)
     args = parser.parse_args(argv)
-    if args.command == "verify" and args.fuzz is None and (args.family or args.seed is not None):
-        v.error("--family and --seed go with --fuzz N")
+    if args.command == "verify" and args.fuzz is None and args.batch_invariance is None \
+            and (args.family or args.seed is not None):
+        v.error("--family and --seed go with --fuzz N or --batch-invariance N")
+    if args.command == "verify" and args.fuzz is not None and args.batch_invariance is not None:
+        v.error("--fuzz and --batch-invariance exclude each other")
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     return args.fn(args)
 
