@@ -137,20 +137,102 @@ def test_training_gradients_match_eager():
         assert torch.allclose(got[name], g, rtol=1e-4, atol=1e-4 * g.abs().max().item()), name
 
 
-def test_padding_and_wrong_models_raise_clear_errors():
+def _padded(prompts, side: str, pad_id: int = 0):
+    """A batch of prompts padded to the longest on ``side`` -> (ids, attention_mask)."""
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), L, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        cols = slice(L - len(p), L) if side == "left" else slice(0, len(p))
+        ids[i, cols], mask[i, cols] = p, 1
+    return ids, mask
+
+
+def _prompts(lengths, seed=10):
+    return [_ids(1, n, seed=seed + i)[0] for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_padded_batch_gives_each_row_its_prompt_alone(side, dtype):
+    model = dsattn_hf.enable(tiny((SWA, HCA, CSA), dtype=dtype))
+    prompts = _prompts([70, 41, 9, 55])
+    ids, mask = _padded(prompts, side)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=False).logits
+        for i, p in enumerate(prompts):
+            got = out[i, mask[i].bool()]
+            alone = model(p[None], use_cache=False).logits[0]
+            if dtype == torch.float32:
+                assert torch.allclose(got, alone, rtol=1e-5, atol=1e-5), (i, (got - alone).abs().max())
+            else:                                  # the bf16 rule (00 §11)
+                assert torch.allclose(got.float(), alone.float(), rtol=1.6e-2, atol=1e-2), i
+
+
+def test_greedy_generate_on_a_left_padded_batch_gives_each_prompt_its_own_tokens():
+    model = dsattn_hf.enable(tiny((SWA, HCA, CSA)))
+    prompts = _prompts([70, 41, 9, 55], seed=30)
+    ids, mask = _padded(prompts, "left")
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+        for i, p in enumerate(prompts):
+            alone = model.generate(p[None], max_new_tokens=16, do_sample=False)[0, len(p):]
+            row = batch[i, ids.size(1):]
+            # a prompt alone stops at its end-of-sequence token; in the batch its row is padded after it
+            assert torch.equal(row[:alone.numel()], alone), i
+            assert bool((row[alone.numel():] == model.generation_config.eos_token_id).all()), i
+
+
+def test_training_on_a_right_padded_batch_is_its_rows_trained_alone():
+    """labels -100 on the padding: the batch loss is the token-weighted mean of the rows' own losses, and
+    so are the gradients."""
+    model = dsattn_hf.enable(tiny((HCA, CSA)).train())
+    prompts = _prompts([40, 23, 31], seed=50)
+    ids, mask = _padded(prompts, "right")
+    labels = ids.masked_fill(mask == 0, -100)
+    model.zero_grad()
+    loss = model(ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    weights = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.float32)
+    weights = weights / weights.sum()
+    total = 0.0
+    for w, p in zip(weights, prompts):
+        row = model(p[None], labels=p[None], use_cache=False).loss * w
+        row.backward()
+        total += row.item()
+    assert abs(loss.item() - total) <= 1e-5 * abs(total)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want) and any("compressor" in n for n in want)
+    for name, g in want.items():
+        assert torch.allclose(got[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item() + 1e-12), name
+
+
+def test_a_padded_cache_serves_its_batch_only():
+    model = dsattn_hf.enable(tiny((HCA,)))
+    ids, mask = _padded(_prompts([20, 12]), "left")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="^cache: it serves a padded batch of 2 rows, got a batch of 1"):
+            model(ids[:1], attention_mask=mask[:1], past_key_values=cache, use_cache=True)
+        used = DynamicCache(config=model.config)
+        model(ids[:, -4:], past_key_values=used, use_cache=True)
+        with pytest.raises(ValueError, match="^cache: it holds an unpadded batch"):
+            model(ids, attention_mask=mask, past_key_values=used, use_cache=True)
+
+
+def test_wrong_models_raise_clear_errors():
     model = tiny((HCA,))
     dsattn_hf.enable(model)
     ids = _ids(2, 40)
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0
-    with pytest.raises(ValueError, match="^attention_mask"):
-        model(ids, attention_mask=mask)
-    model(ids, attention_mask=torch.ones_like(ids))               # an all-ones mask is fine
+    model(ids, attention_mask=torch.ones_like(ids))               # an all-ones mask runs as one batch
     with pytest.raises(ValueError, match="^model"):
         dsattn_hf.enable(torch.nn.Linear(2, 2))
     dsattn_hf.disable(model)
     attn = model.model.layers[0].self_attn
-    assert not hasattr(attn, "_dsattn_original_forward")
+    assert not hasattr(attn, "_dsattn_original_forward") and not hasattr(model.model, "_dsattn_original_forward")
 
 
 def test_no_dense_mask_and_from_pretrained_with_dsattn(tmp_path):

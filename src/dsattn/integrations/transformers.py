@@ -45,9 +45,18 @@ are computed before the attention function is called -- so a model loaded with
 ``from_pretrained(..., attn_implementation="dsattn")`` still needs :func:`enable`; if it runs without
 it, the registered function raises a ``RuntimeError`` saying so.
 
-Batches with padding (a 2-D ``attention_mask`` with zeros) raise ``ValueError``: the sparse path
-has no per-token padding mask (right-aligned lengths would be its form); unpadded batches, ``use_cache``
-on and off, ``generate()`` and chunked prefill through repeated forward calls work.
+Padded batches (a 2-D ``attention_mask`` with zeros: ``tokenizer(prompts, padding=True)``, left
+padding for ``generate()``, right padding for training with ``labels`` -100 on the padding) run as a
+ragged batch of their unpadded rows: the base model's forward runs once per row on that row's own
+tokens (the mask's ones), with its own positions (0 for its first real token) and its own cache
+(one per row, kept on the caller's cache object), and the rows' hidden states go back to their
+places (zeros at the padding).  So each row's logits are those of its prompt run alone, the
+compressors pool only the row's own tokens and the indexer ranks only its own entries.  (The eager
+model does otherwise: its compressors and the indexer's compressor take no mask and pool whatever
+tokens fill each window, padding included, and its positions count the padding unless the caller
+passes ``position_ids``.)  A cache that has served a padded batch serves that batch only (a batch of
+another size raises ``ValueError``); the row loop is B model calls per step.  Unpadded batches run as
+one batch.
 """
 from __future__ import annotations
 
@@ -59,6 +68,7 @@ from .. import ops
 from ..hyper_parallel import npu_sparse_flash_mla, npu_sparse_flash_mla_grad
 
 _ORIGINAL = "_dsattn_original_forward"
+_ROWS = "_dsattn_rows"                        # on a cache object: the per-row caches of a padded batch
 _KL_WEIGHT = "_dsattn_indexer_kl_weight"     # set on CSA attention modules by enable()
 _KL_VALUE = "_dsattn_indexer_kl_value"       # this forward's KL term of the module
 
@@ -118,11 +128,12 @@ def enable(model, indexer_kl_loss: bool = False, indexer_kl_weight: float = 1.0)
             setattr(m, _KL_WEIGHT, float(indexer_kl_weight))
         elif hasattr(m, _KL_WEIGHT):
             delattr(m, _KL_WEIGHT)
+    for m in _base_models(model):                   # padded batches: a ragged batch of their rows
+        if not hasattr(m, _ORIGINAL):
+            setattr(m, _ORIGINAL, m.forward)
+            m.forward = types.MethodType(_padded_model_forward, m)
     _remove_hooks(model)
     hooks = []
-    for m in model.modules():                       # the padding check, once per model forward
-        if type(m).__name__ == "DeepseekV4Model":
-            hooks.append(m.register_forward_pre_hook(_reject_padding, with_kwargs=True))
     if indexer_kl_loss:
         hooks.append(model.register_forward_pre_hook(lambda module, args: _clear_kl(mods)))
         hooks.append(model.register_forward_hook(lambda module, args, output: _add_kl(mods, output)))
@@ -136,6 +147,10 @@ def disable(model):
     if previous is not None:
         model.set_attn_implementation(previous)
         del model._dsattn_previous_attn
+    for m in _base_models(model):
+        if hasattr(m, _ORIGINAL):
+            m.forward = getattr(m, _ORIGINAL)
+            delattr(m, _ORIGINAL)
     for m in _attention_modules(model):
         if hasattr(m, _ORIGINAL):
             m.forward = getattr(m, _ORIGINAL)
@@ -172,12 +187,69 @@ def _add_kl(mods, output):
     return output
 
 
-def _reject_padding(module, args, kwargs):
-    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
-        raise ValueError("attention_mask: padded batches are not supported by dsattn's DeepSeek-V4 attention "
-                         "(the sparse operators take right-aligned lengths, not a padding mask); run unpadded "
-                         "sequences, one per batch row of equal length, or disable(model)")
+def _base_models(model):
+    cls = _model_module().DeepseekV4Model
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def _padded_model_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                          inputs_embeds=None, use_cache=None, past_key_values=None, **kwargs):
+    """DeepseekV4Model.forward; a padded batch (2-D ``attention_mask`` with zeros) runs row by row on each
+    row's own tokens, positions and cache (module docstring)."""
+    forward = getattr(self, _ORIGINAL)
+    cache = cache if cache is not None else past_key_values
+    rows = getattr(cache, _ROWS, None)
+    padded = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and \
+        not bool(attention_mask.bool().all())
+    if not padded and rows is None:
+        return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                       inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    from transformers import DynamicCache
+    x = input_ids if input_ids is not None else inputs_embeds
+    B, S = x.shape[:2]
+    if attention_mask is None:
+        attention_mask = torch.ones(B, S, dtype=torch.long, device=x.device)
+    if attention_mask.dim() != 2 or attention_mask.size(0) != B or attention_mask.size(1) < S:
+        raise ValueError(f"attention_mask: expected [batch={B}, >= {S} tokens] (past and new tokens), got shape "
+                         f"{tuple(attention_mask.shape)}")
+    use_cache = use_cache if use_cache is not None else self.config.use_cache
+    if use_cache and cache is None:
+        cache = DynamicCache(config=self.config)
+    if cache is not None:
+        if rows is None:
+            if cache.get_seq_length() > 0:
+                raise ValueError("cache: it holds an unpadded batch's tokens; a padded batch starts on a fresh cache")
+            rows = [None] * B
+            setattr(cache, _ROWS, rows)
+        if len(rows) != B:
+            raise ValueError(f"cache: it serves a padded batch of {len(rows)} rows, got a batch of {B}")
+    new = attention_mask[:, -S:].bool()
+    hidden = None
+    for b in range(B):
+        keep = new[b]
+        if not bool(keep.any()):
+            continue
+        row_cache = None
+        if cache is not None:
+            if rows[b] is None:
+                rows[b] = (DynamicCache(config=self.config), 0)
+            row_cache, seen = rows[b]
+        else:
+            seen = 0
+        n = int(keep.sum())
+        pos = torch.arange(seen, seen + n, device=x.device)[None]
+        one = dict(input_ids=input_ids[b:b + 1, keep]) if input_ids is not None else \
+            dict(inputs_embeds=inputs_embeds[b:b + 1, keep])
+        out = forward(**one, attention_mask=None, position_ids=pos, cache=row_cache, use_cache=use_cache, **kwargs)
+        if cache is not None:
+            rows[b] = (row_cache, seen + n)
+        h = out.last_hidden_state[0]
+        if hidden is None:
+            hidden = h.new_zeros((B, S) + tuple(h.shape[1:]))
+        hidden = hidden.index_put((torch.full((n,), b, device=x.device), keep.nonzero()[:, 0]), h)
+    if hidden is None:                               # (no row has a token in this call)
+        hidden = torch.zeros(B, S, self.config.hidden_size, dtype=self.embed_tokens.weight.dtype, device=x.device)
+    return _model_module().MoeModelOutputWithPast(last_hidden_state=hidden, cache=cache)
 
 
 def _compressed_entries(comp, hidden_states, cache_layer, name: str, head_dim: int, overlap: bool):
