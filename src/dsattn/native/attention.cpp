@@ -822,7 +822,8 @@ void pad_rows16(const uint16_t* __restrict__ src, int64_t H, int64_t D, int64_t 
 template <typename scalar_t, typename mm_t>
 void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
                    const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& rows, const float* sinks,
-                   double scale_d, at::Tensor& dq, std::vector<at::Tensor>& dsrc, at::Tensor& dsinks, at::Tensor& pmean) {
+                   double scale_d, const int64_t* group, at::Tensor& dq, std::vector<at::Tensor>& dsrc,
+                   at::Tensor& dsinks, at::Tensor& pmean) {
   constexpr bool packed = !std::is_same_v<mm_t, float>;
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hp = round_up(H, 16), Dp = round_up(D, 16);
@@ -833,21 +834,58 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
   const float* lp = lse.data_ptr<float>();
   scalar_t* dqp = dq.data_ptr<scalar_t>();
   float* pm = pmean.data_ptr<float>();
+  // Key gradients are summed in an order fixed by each request alone: its rows go in groups (``group``:
+  // one id per row, equal for the rows of a group, which are consecutive; canonical blocks of a request's
+  // rows), a group's rows add their contributions in row order into a thread's accumulator, and the
+  // groups' partial sums are added to dsrc in group order.  Whatever the thread count, and whichever other
+  // requests share the call, a key only this request reads gets the same bits (batch invariance).
+  // Groups go in chunks: the threads build the chunk's partial sums (each kept compact: the rows it
+  // touched), then add them in order, each thread taking a slice of the columns.  dsinks: per-row terms,
+  // summed in row order.
+  std::vector<int64_t> gstart;
+  for (int64_t r = 0; r < R; ++r)
+    if (r == 0 || group == nullptr || group[r] != group[r - 1]) gstart.push_back(r);
+  gstart.push_back(R);
+  const int64_t ng = static_cast<int64_t>(gstart.size()) - 1;
+  std::vector<int64_t> gcost(ng, 0), gkeys(ng, 0);
+  for (int64_t g = 0; g < ng; ++g)
+    for (int64_t r = gstart[g]; r < gstart[g + 1]; ++r) {
+      const int64_t c = tables.cost(r);
+      gcost[g] += c, gkeys[g] += c - 64;
+    }
+  struct Partial {                                   // one group's sums over the key rows it touched
+    std::vector<float> values;
+    std::vector<int> source;
+    std::vector<int64_t> row;
+  };
   const int threads = at::get_num_threads();
-  // per-thread fp32 accumulators of the key gradients (rows of one key may be hit by several
-  // query rows on different threads) and of dsinks, summed at the end
-  std::vector<std::vector<at::Tensor>> acc(threads);
-  std::vector<at::Tensor> acc_sinks(threads);
-  dsattn_native::parallel_rows(R, [&](int64_t r) { return tables.cost(r); }, [&](int64_t r0, int64_t r1) {
+  std::vector<std::vector<Buffer<float>>> acc(threads);          // per thread: dense accumulators per source
+  std::vector<std::vector<std::vector<uint8_t>>> touched(threads);
+  std::vector<float> sink_terms(sinks != nullptr ? R * H : 0, 0.0f);
+  std::vector<float*> dsrc_ptr;
+  for (auto& d : dsrc) dsrc_ptr.push_back(d.data_ptr<float>());
+  const int64_t budget = std::max<int64_t>(int64_t(16) << 20, 4 * threads * width * D);   // floats per chunk
+  std::vector<Partial> partial;
+  int64_t source_rows = 0;
+  for (const auto& d : dsrc) source_rows += d.size(0);
+  for (int64_t g0 = 0; g0 < ng;) {
+    // a chunk: at least a group per thread where there are enough, within the budget beyond that (a
+    // partial holds at most the group's keys, and at most every source row once)
+    int64_t g1 = g0, total = 0;
+    while (g1 < ng && (g1 - g0 < threads || total + std::min(gkeys[g1], source_rows) * D <= budget))
+      total += std::min(gkeys[g1++], source_rows) * D;
+    partial.assign(g1 - g0, Partial{});
+  dsattn_native::parallel_rows(g1 - g0, [&](int64_t g) { return gcost[g0 + g]; }, [&](int64_t a0, int64_t a1) {
     const int tid = at::get_thread_num();
     auto& my = acc[tid];
-    if (my.empty()) {
-      for (const auto& d : dsrc) my.push_back(at::zeros_like(d));
-      acc_sinks[tid] = at::zeros({H}, dsinks.options());
-    }
-    float* my_sinks = acc_sinks[tid].data_ptr<float>();
-    std::vector<float*> my_rows, dst_rows(width);                 // each source's accumulator, each key's row
-    for (auto& t : my) my_rows.push_back(t.data_ptr<float>());
+    auto& mark = touched[tid];
+    if (my.empty())
+      for (const auto& d : dsrc) {
+        my.emplace_back(d.numel(), 0.0f);
+        mark.emplace_back(d.size(0), uint8_t(0));
+      }
+    std::vector<std::pair<int, int64_t>> hit;        // the group's touched (source, row), in first-touch order
+    std::vector<float*> dst_rows(width);             // each key's accumulator row
     RowAttention<scalar_t, mm_t> work{H, D, Hp, Dp, scale, sinks};
     work.reserve(npad_max, /*whole_keys=*/true);
     Buffer<mm_t> do_b(Dp * Hp), q_pairs(Hp * Dp), do_pairs(Hp * Dp), q_plain(Hp * Dp), do_plain(Hp * Dp),
@@ -858,7 +896,9 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
     std::vector<std::pair<int, int64_t>> where;      // (source, row) of each gathered key
     keys.reserve(width);
     where.reserve(width);
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t g = g0 + a0; g < g0 + a1; ++g) {
+    hit.clear();
+    for (int64_t r = gstart[g]; r < gstart[g + 1]; ++r) {
       keys.clear();
       where.clear();
       tables.each(r, [&](int source, int64_t row, const scalar_t* ptr) {
@@ -931,7 +971,7 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
       std::fill(p_rows.begin() + n * Hp, p_rows.begin() + npad * Hp, mm_t(0));
       if (sinks != nullptr)
         for (int64_t h = 0; h < H; ++h)
-          if (std::isfinite(lr[h])) my_sinks[h] -= std::exp(sinks[h] - lr[h]) * sink_dot[h];
+          sink_terms[r * H + h] = std::isfinite(lr[h]) ? -(std::exp(sinks[h] - lr[h]) * sink_dot[h]) : 0.0f;
       // dq = scale dS K   (A = dS [Hp, npad], B = K by key pairs / plain)
       if constexpr (std::is_same_v<mm_t, at::BFloat16>) {
         p_from_scores_bf16(dsf.data(), n, npad, Hp, reinterpret_cast<uint16_t*>(ds_t.data()));   // (exact: bf16 values)
@@ -985,7 +1025,11 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
             gemm(m, w, Hp, Hp, Dp, Dp, false, a, b_plain.data() + d0, c + d0, false);
         }
       };
-      for (int64_t j = 0; j < n; ++j) dst_rows[j] = my_rows[where[j].first] + where[j].second * D;
+      for (int64_t j = 0; j < n; ++j) {
+        const auto [src, row] = where[j];
+        dst_rows[j] = my[src].data() + row * D;
+        if (!mark[src][row]) mark[src][row] = 1, hit.emplace_back(src, row);
+      }
       // a chunk of keys at a time, so that both products and the rows they are added to stay in L2
       for (int64_t j0 = 0; j0 < n; j0 += DK_CHUNK) {
         const int64_t m = std::min(DK_CHUNK, npad - j0);       // (npad and DK_CHUNK: multiples of 64)
@@ -994,20 +1038,47 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
         add_scaled_rows(dst_rows.data() + j0, ck.data(), ck2.data(), std::min(m, n - j0), D, Dp, scale);
       }
       // pmean is per key slot of the row's index tables: spread the gathered order back
-      int64_t g = n;
+      int64_t k = n;
       for (int64_t i = static_cast<int64_t>(tables.bases.size()) - 1, col = width; i >= 0; --i) {
         const int64_t w = tables.widths[i];
         col -= w;
         const int64_t* idx = tables.index[i] + r * w;
-        for (int64_t j = w - 1; j >= 0; --j) pmr[col + j] = idx[j] >= 0 ? pmr[--g] : 0.0f;
+        for (int64_t j = w - 1; j >= 0; --j) pmr[col + j] = idx[j] >= 0 ? pmr[--k] : 0.0f;
       }
+    }
+    // the group's partial sums, compact; the accumulator rows back to zero
+    Partial& part = partial[g - g0];
+    part.values.resize(hit.size() * D);
+    part.source.resize(hit.size());
+    part.row.resize(hit.size());
+    for (size_t t = 0; t < hit.size(); ++t) {
+      const auto [src, row] = hit[t];
+      float* a = my[src].data() + row * D;
+      std::copy(a, a + D, part.values.data() + t * D);
+      std::fill(a, a + D, 0.0f);
+      mark[src][row] = 0;
+      part.source[t] = src, part.row[t] = row;
+    }
     }
     gemm_release<mm_t>();
   });
-  for (int t = 0; t < threads; ++t) {
-    if (acc[t].empty()) continue;
-    for (size_t i = 0; i < dsrc.size(); ++i) dsrc[i].add_(acc[t][i]);
-    dsinks.add_(acc_sinks[t]);
+    // the chunk's partial sums into dsrc in group order; threads take 16-column slices
+    const int64_t slices = (D + 15) / 16;
+    at::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) {
+      const int64_t k0 = s0 * 16, k1 = std::min(D, s1 * 16);
+      for (const Partial& part : partial)
+        for (size_t t = 0; t < part.row.size(); ++t) {
+          float* __restrict__ d = dsrc_ptr[part.source[t]] + part.row[t] * D;
+          const float* __restrict__ c = part.values.data() + t * D;
+          for (int64_t k = k0; k < k1; ++k) d[k] += c[k];
+        }
+    });
+    g0 = g1;
+  }
+  if (sinks != nullptr) {
+    float* ds = dsinks.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < H; ++h) ds[h] += sink_terms[r * H + h];
   }
 }
 
@@ -1119,11 +1190,15 @@ std::vector<at::Tensor> sparse_attention_forward(const at::Tensor& q, const std:
 // Gradients of the forward above: (dq [R, H, D] q's dtype, dsources: one fp32 [N_i, D] per source,
 // dsinks [H] fp32 (zeros without sinks), pmean [R, W] fp32: P averaged over heads per index slot).
 // dq_into: dq is written there (rows of the op's output: no block copy, no fresh block to fault in).
+// groups: int64 [R], the rows' key-gradient groups (consecutive rows with one id; without it every row
+// is its own group); dsources_into: fp32 [N_i, D] tensors the key gradients are added to (returned).
 std::vector<at::Tensor> sparse_attention_backward(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out,
                                                   const at::Tensor& lse, const std::vector<at::Tensor>& sources,
                                                   const std::vector<at::Tensor>& rows,
                                                   const c10::optional<at::Tensor>& sinks, double scale,
-                                                  const c10::optional<at::Tensor>& dq_into) {
+                                                  const c10::optional<at::Tensor>& dq_into,
+                                                  const c10::optional<at::Tensor>& groups,
+                                                  const std::vector<at::Tensor>& dsources_into) {
   check_operands(q, sources, rows);
   for (const auto* t : {&dout, &out})
     TORCH_CHECK(t->sizes() == q.sizes() && t->scalar_type() == q.scalar_type() && t->is_contiguous(),
@@ -1133,9 +1208,26 @@ std::vector<at::Tensor> sparse_attention_backward(const at::Tensor& q, const at:
               "lse: expected a contiguous fp32 [R, H] tensor");
   int64_t width = 0;
   std::vector<at::Tensor> dsrc;
+  TORCH_CHECK(dsources_into.empty() || dsources_into.size() == sources.size(),
+              "dsources: expected one tensor per source, got ", dsources_into.size());
   for (size_t i = 0; i < sources.size(); ++i) {
     width += rows[i].size(1);
-    dsrc.push_back(at::zeros({sources[i].size(0), D}, q.options().dtype(at::kFloat)));
+    if (dsources_into.empty()) {
+      dsrc.push_back(at::zeros({sources[i].size(0), D}, q.options().dtype(at::kFloat)));
+    } else {
+      const auto& d = dsources_into[i];
+      TORCH_CHECK(d.dim() == 2 && d.size(0) == sources[i].size(0) && d.size(1) == D && d.scalar_type() == at::kFloat &&
+                      d.is_contiguous() && d.device().is_cpu(),
+                  "dsources[", i, "]: expected a contiguous CPU fp32 [", sources[i].size(0), ", ", D, "] tensor");
+      dsrc.push_back(d);
+    }
+  }
+  const int64_t* group = nullptr;
+  if (groups.has_value()) {
+    TORCH_CHECK(groups->dim() == 1 && groups->size(0) == R && groups->scalar_type() == at::kLong &&
+                    groups->is_contiguous() && groups->device().is_cpu(),
+                "groups: expected a contiguous CPU int64 [", R, "] tensor");
+    group = groups->data_ptr<int64_t>();
   }
   at::Tensor sinks_f;
   const float* sink_ptr = sink_values(sinks, H, sinks_f);
@@ -1145,7 +1237,8 @@ std::vector<at::Tensor> sparse_attention_backward(const at::Tensor& q, const at:
   auto dsinks = at::zeros({H}, q.options().dtype(at::kFloat));
   auto pmean = at::empty({R, width}, q.options().dtype(at::kFloat));
   dsattn_native::dispatch_gemm(q.scalar_type(), [&](auto s, auto m) {
-    backward_rows<decltype(s), decltype(m)>(q, dout, out, lse, sources, rows, sink_ptr, scale, dq, dsrc, dsinks, pmean);
+    backward_rows<decltype(s), decltype(m)>(q, dout, out, lse, sources, rows, sink_ptr, scale, group, dq, dsrc, dsinks,
+                                            pmean);
   });
   std::vector<at::Tensor> result{dq};
   result.insert(result.end(), dsrc.begin(), dsrc.end());
@@ -1214,7 +1307,8 @@ std::vector<at::Tensor> sparse_attention_forward(const at::Tensor&, const std::v
 std::vector<at::Tensor> sparse_attention_backward(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&, const std::vector<at::Tensor>&,
                                                   const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&,
-                                                  double, const c10::optional<at::Tensor>&) {
+                                                  double, const c10::optional<at::Tensor>&,
+                                                  const c10::optional<at::Tensor>&, const std::vector<at::Tensor>&) {
   TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled attention is not available");
 }
 bool fp8_decode_matches() { return false; }

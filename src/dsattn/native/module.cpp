@@ -25,7 +25,9 @@ std::vector<torch::Tensor> sparse_attention_backward(const torch::Tensor& q, con
                                                      const std::vector<torch::Tensor>& sources,
                                                      const std::vector<torch::Tensor>& rows,
                                                      const c10::optional<torch::Tensor>& sinks, double scale,
-                                                     const c10::optional<torch::Tensor>& dq_into);
+                                                     const c10::optional<torch::Tensor>& dq_into,
+                                                     const c10::optional<torch::Tensor>& groups,
+                                                     const std::vector<torch::Tensor>& dsources_into);
 std::string attention_gemm(const std::string& dtype);
 bool fp8_decode_matches();
 c10::optional<bool> packed_layout_matches(int64_t K, int64_t N);
@@ -61,7 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_attention_backward", &sparse_attention_backward,
         "gradients of the fused sparse attention: dq, the key rows' fp32 gradients, dsinks, P's head mean",
         pybind11::arg("q"), pybind11::arg("dout"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("sources"),
-        pybind11::arg("rows"), pybind11::arg("sinks"), pybind11::arg("scale"), pybind11::arg("dq") = pybind11::none());
+        pybind11::arg("rows"), pybind11::arg("sinks"), pybind11::arg("scale"), pybind11::arg("dq") = pybind11::none(),
+        pybind11::arg("groups") = pybind11::none(), pybind11::arg("dsources") = std::vector<torch::Tensor>{});
   m.def("kernels_available", [] { return bool(DSATTN_HAVE_BRGEMM); },
         "whether this torch exports the batch-reduce GEMM the attention and indexer kernels run on");
   m.def("set_gemm_path", [](const std::string& path) {

@@ -255,6 +255,20 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
     return grad_results(P, dq, dori, dcmp, dsinks if sinks is not None else None, ori_l1, cmp_l1)
 
 
+# Rows of one request per key-gradient group of the compiled backward (see key_gradient_groups).
+KEY_GRADIENT_GROUP_ROWS = 64
+
+
+def key_gradient_groups(P: MlaProblem) -> torch.Tensor:
+    """One int64 id per flat row: blocks of ``KEY_GRADIENT_GROUP_ROWS`` rows of one request, counted from
+    the request's first row.  The compiled backward sums a key's gradient over a group's rows in row
+    order, then over the groups in order, so a request's key gradients do not depend on which other
+    requests share the call, nor on where its rows fall in the call's row blocks."""
+    rows = P.rows
+    return (rows.batch.to(torch.int64) << 32) + torch.div(rows.local.to(torch.int64), KEY_GRADIENT_GROUP_ROWS,
+                                                          rounding_mode="floor")
+
+
 def _backward_native(P: MlaProblem, module, flat, qf, dof, of, lse_rows) -> tuple:
     """The gradient through the compiled kernel (dsattn/native/attention.cpp), rows in blocks: it
     returns dq, the key rows' fp32 gradients and P's head mean per index slot (for the L1 norms)."""
@@ -267,15 +281,14 @@ def _backward_native(P: MlaProblem, module, flat, qf, dof, of, lse_rows) -> tupl
     cmp_l1 = torch.zeros(R, P.cmp_idx.size(1), dtype=sdt, device=dev) if P.cmp_idx is not None else None
     ori_l1 = torch.zeros(R, P.ori_idx.size(1), dtype=sdt, device=dev) if P.ori_idx is not None else None
     step = _native_block_rows(P, R)
+    groups = key_gradient_groups(P)
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
         k = native_keys(P, flat, t0, t1)
         sources, index = _native_keys(P, flat, k)
         res = module.sparse_attention_backward(qf[t0:t1].contiguous(), dof[t0:t1].contiguous(), of[t0:t1].contiguous(),
                                                lse_rows[t0:t1].float().contiguous(), sources, index, sinks, P.scale,
-                                               dq=dq[t0:t1])
-        for g, part in zip(grads, res[1:1 + len(sources)]):
-            g += part
+                                               dq=dq[t0:t1], groups=groups[t0:t1], dsources=grads)
         dsinks += res[-2]
         l1_outputs(P, k, res[-1], t0, t1, cmp_l1, ori_l1)
     dori = grads[0].view(P.ori.tensor.shape)
