@@ -9,7 +9,7 @@ from dsattn import native, ops
 from dsattn.cases import invariance
 
 BASE = random.randrange(10**6)                      # fresh configurations every run; failures print their seed
-PER_FAMILY = 40                                     # 6 families: 240 configurations
+PER_FAMILY = 40                                     # 7 families: 280 configurations
 
 
 @pytest.mark.parametrize("family", invariance.FAMILIES)
@@ -27,7 +27,7 @@ def test_the_other_gemm_paths_are_batch_invariant_too(gemm, native_module):
     if gemm == "avx512bf16" and not native_module.cpu_has_avx512bf16():
         pytest.skip("this CPU has no AVX512-BF16")
     with native.gemm_path(gemm):
-        for family in ("mla", "indexer", "qsfa"):
+        for family in ("mla", "indexer", "qsfa", "compressor"):
             _, failures = invariance.check_seeds(family, range(BASE + 7, BASE + 17))
             assert not failures, "\n".join(failures[:10])
 

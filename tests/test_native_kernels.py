@@ -452,3 +452,25 @@ def test_indexer_head_sums_give_the_same_bits_in_both_layouts(native_module, H):
     if native_module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
     assert all(native_module.indexer_head_sums_match(H, n) for n in (1, 5, 16, 17, 64, 130))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("R, K, N", [(1, 4, 16), (19, 7, 33), (64, 530, 40), (600, 64, 1030), (0, 8, 8), (5, 0, 3)])
+def test_rows_matmul_is_a_matmul_whose_rows_do_not_depend_on_the_others(gemm_module, dtype, R, K, N):
+    # the compressor's projections: fp32 C = A B^T against float64; any row alone gives the bits it
+    # gives in the call, on one thread or all (K summed in one order whatever R and the threads)
+    g = torch.Generator().manual_seed(R * 7 + K * 3 + N)
+    a, b = torch.randn(R, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+    c = gemm_module.rows_matmul(a, b)
+    want = a.double() @ b.double().T
+    bound = a.double().abs() @ b.double().abs().T
+    assert c.dtype == torch.float32 and c.shape == (R, N)
+    assert bool(((c.double() - want).abs() <= (K + 1) * 2.0 ** -23 * bound + 1e-30).all())
+    for r in {0, R // 2, R - 1} if R else ():
+        assert torch.equal(gemm_module.rows_matmul(a[r:r + 1].contiguous(), b)[0], c[r])
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(gemm_module.rows_matmul(a, b), c)
+    finally:
+        torch.set_num_threads(was)

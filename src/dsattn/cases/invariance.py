@@ -262,12 +262,78 @@ def check_attention(family: str, seed: int, key_grads: bool | None = None) -> li
     return bad
 
 
-FAMILIES = ("mla", "sharedkv", "packed", "indexer", "kl", "qsfa")
+def _compressor_call(args, kw):
+    """``(cmp_kv, state_cache after the call, dx)`` of ``compressor`` on fresh copies of ``args``."""
+    from .. import ops
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    x = args[0].requires_grad_()
+    out = ops.compressor(x, *args[1:], **kw)
+    g = torch.cos(out.detach().float() * 3.0).to(out.dtype)     # a function of each row: equal rows, equal g
+    (dx,) = torch.autograd.grad(out, x, g, allow_unused=True) if out.numel() else (torch.zeros_like(x),)
+    return out.detach(), args[3], dx if dx is not None else torch.zeros_like(x)
+
+
+def check_compressor(seed: int) -> list[str]:
+    """The compressor's output rows, the state-cache rows of the request's own blocks and dx of its rows:
+    alone (its rows, lengths, start position and table row; the same state pool) against the batch."""
+    case = fuzz.draw("compressor", seed)
+    x, kw = case.args[0], dict(case.kwargs)
+    r = case.args[5]
+    B = kw["start_pos"].numel()
+    packed = x.dim() == 2
+    cu = kw["cu_seqlens"].to(torch.int64).tolist() if packed else None
+    used = kw.get("seqused")
+    sp = kw["start_pos"].to(torch.int64).tolist()
+    su = [(cu[b + 1] - cu[b]) if packed else (int(used[b]) if used is not None else x.size(1)) for b in range(B)]
+    if packed and used is not None:
+        su = [min(a, int(u)) for a, u in zip(su, used)]
+    n = [(sp[b] + su[b]) // r - sp[b] // r for b in range(B)]
+    out, state, dx = _compressor_call(case.args, kw)
+    bad = []
+    if torch.get_num_threads() > 1:
+        out1, state1, dx1 = _threads(1, lambda: _compressor_call(case.args, kw))
+        for name, a, b in (("cmp_kv", out, out1), ("state_cache", state, state1), ("dx", dx, dx1)):
+            if not _bits_equal(a, b):
+                bad.append(f"{case.name}: {name} differs between 1 and {torch.get_num_threads()} threads")
+    table = kw.get("state_block_table")
+    for b in range(B):
+        if su[b] == 0:
+            continue
+        kw1 = dict(kw, start_pos=kw["start_pos"][b:b + 1])
+        if table is not None:
+            kw1["state_block_table"] = table[b:b + 1]
+        if used is not None:
+            kw1["seqused"] = used[b:b + 1]
+        if packed:
+            kw1["cu_seqlens"] = torch.tensor([0, cu[b + 1] - cu[b]], dtype=kw["cu_seqlens"].dtype)
+            x1 = x[cu[b]:cu[b + 1]]
+        else:
+            x1 = x[b:b + 1]
+        out1, state1, dx1 = _compressor_call((x1,) + tuple(case.args[1:]), kw1)
+        first = sum(n[:b]) if packed else 0
+        mine = out[first:first + n[b]] if packed else out[b, :n[b]]
+        alone = out1[:n[b]] if packed else out1[0, :n[b]]
+        if not _bits_equal(mine, alone):
+            bad.append(f"{case.name}: request {b} cmp_kv alone differs from its rows in the batch")
+        rows_dx = dx[cu[b]:cu[b] + su[b]] if packed else dx[b, :su[b]]
+        alone_dx = dx1[:su[b]] if packed else dx1[0, :su[b]]
+        if not _bits_equal(rows_dx, alone_dx):
+            bad.append(f"{case.name}: request {b} dx alone differs from its rows in the batch")
+        if table is not None:                    # the state rows of its own blocks
+            blocks = sorted({int(v) for v in table[b].tolist() if 0 <= int(v) < state.size(0)})
+            if not _bits_equal(state[blocks], state1[blocks]):
+                bad.append(f"{case.name}: request {b} state_cache rows differ alone")
+    return bad
+
+
+FAMILIES = ("mla", "sharedkv", "packed", "indexer", "kl", "qsfa", "compressor")
 
 
 def check(family: str, seed: int, key_grads: bool | None = None) -> list[str]:
     """The failures of one configuration (empty: every request's rows gave the same bits alone, and
     the batch on one thread the same as on all)."""
+    if family == "compressor":
+        return check_compressor(seed)
     return check_attention(family, seed, key_grads)
 
 

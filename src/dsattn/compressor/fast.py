@@ -31,11 +31,27 @@ class Saved:
     valid: torch.Tensor    # [N_out] output row holds an entry
 
 
+def _rows_matmul(a: torch.Tensor, b: torch.Tensor):
+    """``a @ b.T`` in fp32 through the compiled kernel, whose rows do not depend on the other rows of
+    the call nor on the thread count (a request's projections are the same bits alone as in any
+    batch); None where it does not run (no compiled layer, not a CPU fp32 computation)."""
+    if a.device.type != "cpu" or a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    module = native.kernels()
+    if module is None:
+        return None
+    return module.rows_matmul(a.contiguous(), b.contiguous())
+
+
 def project(pb: CompressorProblem):
     """kv_new, sc_new ``[Rx, coff·D]`` in the compute dtype for every row of x (§2.1)."""
     cd = pb.compute_dtype
-    X = pb.x_rows.to(cd)
     _, pos, _ = pb.x_row_info()
+    if cd == torch.float32:
+        kv = _rows_matmul(pb.x_rows, pb.wkv)
+        if kv is not None:
+            return kv, _rows_matmul(pb.x_rows, pb.wgate) + pb.ape.to(cd)[pos % pb.r]
+    X = pb.x_rows.to(cd)
     kv = X @ pb.wkv.to(cd).T
     sc = torch.addmm(pb.ape.to(cd)[pos % pb.r], X, pb.wgate.to(cd).T)
     return kv, sc
@@ -87,6 +103,18 @@ def _gather_slots(pb: CompressorProblem, kv_new, sc_new, x_row, loc, hist, live,
     return out
 
 
+# Softmax and sums over the slots (dim 1 of [n, S, D]) run over a contiguous last dim: ATen's kernels
+# for an inner dim split the work by the tensor's size (some elements then take a scalar tail with
+# another exp), so an output row's bits would depend on how many rows share the call.
+def _softmax_over_slots(sc: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(sc.transpose(1, 2).contiguous(), dim=-1).transpose(1, 2)
+
+
+def _sum_over_slots(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    out = t.transpose(1, 2).contiguous().sum(-1)
+    return out[:, None] if keepdim else out
+
+
 def pool(pb: CompressorProblem, kv_new, sc_new, o0: int, o1: int, save: bool):
     """Entries of output rows ``[o0, o1)``: returns (C ``[n, D]``, valid ``[n]``, slot data if ``save``)."""
     coff, r = pb.coff, pb.r
@@ -106,8 +134,8 @@ def pool(pb: CompressorProblem, kv_new, sc_new, o0: int, o1: int, save: bool):
         C = module.compressor_pool(kv_new, sc_new, pb.state.reshape(-1, pb.D), kind, at_new, at_state, valid, coff)
         return C, valid, None
     kv, sc = _gather_slots(pb, kv_new, sc_new, x_row, loc, hist, live, valid)
-    W = torch.softmax(sc, dim=1)
-    C = (W * kv).sum(1)
+    W = _softmax_over_slots(sc)
+    C = _sum_over_slots(W * kv)
     C = torch.where(valid[:, None], C, torch.zeros((), dtype=C.dtype, device=C.device))
     return C, valid, ((W, kv, x_row, new) if save else None)
 
@@ -166,7 +194,7 @@ def backward(pb: CompressorProblem, saved: Saved, grad: torch.Tensor):
     W = saved.W
     dKV = W * dC[:, None]
     dW = saved.kv * dC[:, None]
-    dZ = W * (dW - (W * dW).sum(1, keepdim=True))
+    dZ = W * (dW - _sum_over_slots(W * dW, keepdim=True))
     zero = torch.zeros((), dtype=cd, device=dC.device)
     keep = saved.new[..., None]
     idx = (saved.x_row.reshape(-1), saved.half.expand_as(saved.x_row).reshape(-1))
@@ -178,7 +206,12 @@ def backward(pb: CompressorProblem, saved: Saved, grad: torch.Tensor):
     _, pos, used = pb.x_row_info()
     dape = torch.zeros(r, coff * D, dtype=cd, device=dC.device).index_add_(0, pos % r, dsc_new)
     X = torch.where(used[:, None], pb.x_rows.to(cd), zero)    # padding rows may hold anything
-    dx = (dkv_new @ pb.wkv.to(cd) + dsc_new @ pb.wgate.to(cd)).to(pb.x.dtype).reshape(pb.x.shape)
+    dx_kv = _rows_matmul(dkv_new, pb.wkv.to(cd).T) if cd == torch.float32 else None
+    if dx_kv is not None:
+        dx = dx_kv + _rows_matmul(dsc_new, pb.wgate.to(cd).T)
+    else:
+        dx = dkv_new @ pb.wkv.to(cd) + dsc_new @ pb.wgate.to(cd)
+    dx = dx.to(pb.x.dtype).reshape(pb.x.shape)
     dwkv = (dkv_new.T @ X).to(pb.wkv.dtype)
     dwgate = (dsc_new.T @ X).to(pb.wgate.dtype)
     return dx, dwkv, dwgate, dape.to(pb.ape.dtype)

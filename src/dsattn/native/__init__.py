@@ -24,7 +24,7 @@ import contextlib
 import os
 import warnings
 
-_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp")
+_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp", "matmul.cpp")
 _HEADERS = ("common.h", "gemm.h")
 _state: dict = {}
 
