@@ -354,7 +354,7 @@ def test_compressor_pool_equals_golden(pool_path, combo, dtype, packed, cache_mo
     from dsattn.compressor import fast as compressor_fast
     calls = []
     if pool_path == "torch":
-        monkeypatch.setattr(compressor_fast, "native", SimpleNamespace(load=lambda: None))
+        monkeypatch.setattr(compressor_fast, "native", SimpleNamespace(load=lambda: None, kernels=lambda: None))
     else:
         if native_module is None:
             pytest.skip(f"no compiled layer here: {native.status()}")
@@ -363,7 +363,7 @@ def test_compressor_pool_equals_golden(pool_path, combo, dtype, packed, cache_mo
             calls.append(1)
             return native_module.compressor_pool(*a)
         monkeypatch.setattr(compressor_fast, "native", SimpleNamespace(load=lambda: SimpleNamespace(
-            compressor_pool=counted)))
+            compressor_pool=counted), kernels=lambda: native_module))
     D, coff, r = combo
     case = cases.compressor_case(D=D, coff=coff, r=r, H=24, dtype=dtype, packed=packed, cache_mode=cache_mode,
                                  starts=(0, 2 * r + 1, 3, r), lengths=(3 * r + 1, r + 2, 0, 1), rope_head_dim=16,
