@@ -80,7 +80,7 @@ def test_lightning_indexer_streaming_blocks_keep_the_golden_order(layout, paged,
 
 def test_topk_positions_is_the_stable_descending_order():
     """Selection by the k-th value equals a stable descending sort, with ties, -inf and k = width."""
-    from dsattn.indexer.fast import topk_positions
+    from dsattn.indexer.problem import topk_positions
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     for width, k in ((50, 7), (64, 64), (300, 32)):
         score = torch.randint(-3, 4, (20, width), generator=g).float()

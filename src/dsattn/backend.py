@@ -72,24 +72,47 @@ def describe() -> str:
              "CPU compressor pooling: " + ("compiled (dsattn/native/compressor.cpp): each output row's gated softmax "
                                           "over its slots in one call" if native.load() is not None else
                                           "vectorised PyTorch"),
+             "sparse_flash_mla (sparse_mla.dispatch), a bf16 CPU call: " + _mla_dispatch(False)
+             + "; its gradient: " + _mla_dispatch(True),
+             "lightning_indexer (indexer.dispatch), a bf16 CPU call: " + _indexer_dispatch(),
              "FlashMLA's API (sparse_mla.rows), a bf16 CPU call: " + _rows_dispatch(),
              f"metadata planner: {native.status()}"
              + ("" if native.load() is not None else "; the NumPy fast planner runs")]
     return "\n".join(lines)
 
 
+def _dispatch_line(explained: list[tuple[str, list[str]]]) -> str:
+    """The first implementation without reasons, and why each one before it in the order does not run."""
+    skipped = []
+    for name, why in explained:
+        if not why:
+            return name + (f" (not {', '.join(skipped)})" if skipped else "")
+        skipped.append(f"{name}: {'; '.join(why)}")
+    return "none (" + ", ".join(skipped) + ")"
+
+
+def _indexer_dispatch() -> str:
+    """The implementation ``lightning_indexer`` picks for a small bf16 CPU call."""
+    from .indexer import dispatch
+    from .indexer.op import _indexer_parse
+    P, _, _ = _indexer_parse(torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16), torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16),
+                             torch.zeros(1, 1, 16), 2, {}, True)
+    return _dispatch_line(dispatch.explain(P))
+
+
 def _rows_dispatch() -> str:
-    """The implementation ``sparse_mla.rows`` picks for a small bf16 CPU call, and why each one before
-    it in the dispatch order does not run."""
+    """The implementation ``sparse_mla.rows`` picks for a small bf16 CPU call."""
     from .sparse_mla import rows
     q = torch.zeros(1, 16, 64, dtype=torch.bfloat16)
-    chosen = rows.choose(q, [torch.zeros(4, 64, dtype=torch.bfloat16)]).name
-    skipped = []
-    for name, why in rows.explain(q, [torch.zeros(4, 64, dtype=torch.bfloat16)]):
-        if name == chosen:
-            break
-        skipped.append(f"{name}: {'; '.join(why)}")
-    return chosen + (f" (not {', '.join(skipped)})" if skipped else "")
+    return _dispatch_line(rows.explain(q, [torch.zeros(4, 64, dtype=torch.bfloat16)]))
+
+
+def _mla_dispatch(grad: bool) -> str:
+    """The implementation ``sparse_flash_mla`` (or its gradient) picks for a small bf16 CPU call."""
+    from .sparse_mla import dispatch
+    from .sparse_mla.problem import parse_mla
+    P = parse_mla(torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16), ori_kv=torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16))
+    return _dispatch_line(dispatch.explain(P, grad))
 
 
 def _cpu_attention(module) -> str:

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import use_triton
 from ..common.memory import empty_output
 from ..common.softmax import round_q
-from .problem import IndexerProblem, kl_valid_slots
+from .problem import IndexerProblem, finish_topk, kl_valid_slots, select_topk, topk_positions
 
 
 def _masked_keys(P: IndexerProblem, t0: int, t1: int, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -31,47 +30,6 @@ def _masked_keys(P: IndexerProblem, t0: int, t1: int, x: torch.Tensor, mask: tor
 
 def _zero_rows(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return torch.where(ok.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def topk_positions(score: torch.Tensor, k: int) -> torch.Tensor:
-    """Columns of the ``k`` best of each row of ``score [r, W]`` (``W >= k``), ordered as the golden's
-    stable descending sort orders them: by score, ties to the lower column.  Selection, not a
-    sort: ``topk`` finds each row's k-th value ``v``; every column above ``v`` is kept and the
-    columns equal to ``v`` are taken lowest first; only the k kept columns are then sorted.
-    No data-dependent shapes (no ``nonzero``): safe on any device."""
-    dev = score.device
-    W = score.size(1)
-    kth = torch.topk(score, k, dim=1).values[:, -1:]
-    above = score > kth
-    tied = score == kth
-    room = k - above.sum(1, keepdim=True)
-    keep = above | (tied & (torch.cumsum(tied, 1) <= room))
-    # exactly k kept per row: the largest of (W - column) over the kept columns are their columns in order
-    rank = torch.where(keep, W - torch.arange(W, device=dev), torch.zeros((), dtype=torch.int64, device=dev))
-    cols = torch.topk(rank, k, dim=1).indices                      # kept columns, ascending
-    order = torch.sort(score.gather(1, cols), dim=1, descending=True, stable=True).indices
-    return cols.gather(1, order)
-
-
-def select_topk(score: torch.Tensor, n: torch.Tensor, topk: int, offset: torch.Tensor | None):
-    """The ``topk`` best of each row's scores ``[r, W]`` (-inf past its ``n`` selectable keys), in the
-    golden's order (descending, ties: lower key index first) -> ``(indices int32, values float32)``,
-    -1 / -inf past ``min(n, topk)``; ``offset`` ``[r]`` is added to the kept indices."""
-    if score.size(1) < topk:
-        score = torch.nn.functional.pad(score, (0, topk - score.size(1)), value=float("-inf"))
-    si = topk_positions(score, topk)
-    sv = score.gather(1, si)
-    return finish_topk(si, sv, n, topk, offset)
-
-
-def finish_topk(si, sv, n, topk: int, offset):
-    """-1 / -inf past each row's ``min(n, topk)`` slots; ``offset`` added to the kept indices."""
-    dev = si.device
-    keep = torch.arange(topk, device=dev)[None, :] < torch.clamp(n, max=topk)[:, None]
-    if offset is not None:
-        si = si + offset[:, None]
-    return (torch.where(keep, si, torch.full((), -1, device=dev)).to(torch.int32),
-            torch.where(keep, sv, torch.full((), float("-inf"), device=dev)))
 
 
 KEY_BLOCK = 4096                 # keys scored per GEMM in the shared-key path (at least)
@@ -152,16 +110,14 @@ def _shared_key_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | Non
     return idx_out, val_out
 
 
-def lightning_indexer(P: IndexerProblem, topk: int, offset: torch.Tensor | None):
-    """Returns ``(indices [R, topk] int32, values [R, topk] float32)`` over flattened rows."""
-    if use_triton(P.q.device):
-        from . import triton as triton_kernels                # imported only when Triton runs
-        if triton_kernels.supports(P):
-            return triton_kernels.lightning_indexer(P, topk, offset)
+def lightning_indexer_native(P: IndexerProblem, topk: int, offset: torch.Tensor | None):
+    """The compiled top-k -> ``(indices [R, topk] int32, values [R, topk] float32)`` over flattened rows."""
+    return _native_topk(P, native_indexer(P), topk, offset)
+
+
+def lightning_indexer_torch(P: IndexerProblem, topk: int, offset: torch.Tensor | None):
+    """The vectorised PyTorch top-k -> ``(indices [R, topk] int32, values [R, topk] float32)``."""
     dev = P.q.device
-    module = native_indexer(P)
-    if module is not None:
-        return _native_topk(P, module, topk, offset)
     if dev.type == "cpu" and P.content and P.rows.R >= 2 * P.rows.B:
         # (it plans on the host from the lengths: only where host reads are allowed, i.e. with content
         # checks on, as width_bound does; a serving step that turns them off keeps the extent-only path.

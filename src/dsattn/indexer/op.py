@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .._registry import register
-from . import fast
+from . import dispatch, fast
 from .problem import (check_index_pair, check_lightning_attrs, check_offset, check_offset_results,
                       parse_indexer)
 
@@ -46,7 +46,7 @@ def _indexer_defaults(kw):
 
 def _indexer_kernel(q, k, w, topk, **kw):
     P, offset, return_value = _indexer_parse(q, k, w, topk, kw, None)
-    idx, val = fast.lightning_indexer(P, topk, offset)
+    idx, val = dispatch.lightning_indexer(P, topk, offset)
     check_offset_results(idx, offset, P.content)
     out_idx = P.rows.unflat(idx, q).unsqueeze(-2)
     if not return_value:

@@ -136,3 +136,47 @@ def check_offset_results(idx: torch.Tensor, offset, content: bool) -> None:
     """A valid index plus its ``output_idx_offset`` must stay >= 0 (content check)."""
     if offset is not None and content and bool((idx < -1).any()):
         fail("output_idx_offset", "makes an output index negative; every offset index must be >= 0")
+
+
+# ---- the top-k selection every backend finishes with ----
+
+
+def topk_positions(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the ``k`` best of each row of ``score [r, W]`` (``W >= k``), ordered as the golden's
+    stable descending sort orders them: by score, ties to the lower column.  Selection, not a
+    sort: ``topk`` finds each row's k-th value ``v``; every column above ``v`` is kept and the
+    columns equal to ``v`` are taken lowest first; only the k kept columns are then sorted.
+    No data-dependent shapes (no ``nonzero``): safe on any device."""
+    dev = score.device
+    W = score.size(1)
+    kth = torch.topk(score, k, dim=1).values[:, -1:]
+    above = score > kth
+    tied = score == kth
+    room = k - above.sum(1, keepdim=True)
+    keep = above | (tied & (torch.cumsum(tied, 1) <= room))
+    # exactly k kept per row: the largest of (W - column) over the kept columns are their columns in order
+    rank = torch.where(keep, W - torch.arange(W, device=dev), torch.zeros((), dtype=torch.int64, device=dev))
+    cols = torch.topk(rank, k, dim=1).indices                      # kept columns, ascending
+    order = torch.sort(score.gather(1, cols), dim=1, descending=True, stable=True).indices
+    return cols.gather(1, order)
+
+
+def select_topk(score: torch.Tensor, n: torch.Tensor, topk: int, offset: torch.Tensor | None):
+    """The ``topk`` best of each row's scores ``[r, W]`` (-inf past its ``n`` selectable keys), in the
+    golden's order (descending, ties: lower key index first) -> ``(indices int32, values float32)``,
+    -1 / -inf past ``min(n, topk)``; ``offset`` ``[r]`` is added to the kept indices."""
+    if score.size(1) < topk:
+        score = torch.nn.functional.pad(score, (0, topk - score.size(1)), value=float("-inf"))
+    si = topk_positions(score, topk)
+    sv = score.gather(1, si)
+    return finish_topk(si, sv, n, topk, offset)
+
+
+def finish_topk(si, sv, n, topk: int, offset):
+    """-1 / -inf past each row's ``min(n, topk)`` slots; ``offset`` added to the kept indices."""
+    dev = si.device
+    keep = torch.arange(topk, device=dev)[None, :] < torch.clamp(n, max=topk)[:, None]
+    if offset is not None:
+        si = si + offset[:, None]
+    return (torch.where(keep, si, torch.full((), -1, device=dev)).to(torch.int32),
+            torch.where(keep, sv, torch.full((), float("-inf"), device=dev)))

@@ -5,7 +5,7 @@ A program scores one query row against a block of ``BLOCK_N`` keys: ``q [H, D] Â
 fast path's fp32 arithmetic.  Key addresses are computed in the kernel from the row's batch
 (BSND / TND row bases, or the paged block table), so no ``[rows, keys, D]`` gather and no
 ``[rows, keys]`` address list exist.  Scores of a bounded number of rows at a time
-(``SCORE_BUDGET`` bytes) are then selected by :func:`dsattn.indexer.fast.select_topk` (selection
+(``SCORE_BUDGET`` bytes) are then selected by :func:`dsattn.indexer.problem.select_topk` (selection
 by the k-th value, in the golden's order: ties to the lower key index), so peak memory is that budget plus the
 outputs, whatever the context length.
 """
@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast import select_topk
-from .problem import IndexerProblem
+from .problem import IndexerProblem, select_topk
 
 SCORE_BUDGET = 64 << 20      # bytes of fp32 scores per launch (rows x keys)
 

@@ -11,34 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import use_triton
 from ..common.checks import content_checks_enabled
 from ..common.memory import empty_output
 from ..common.softmax import round_q, softmax_with_sink
 from ..quant.rows import KV_LORA_RANK, TILE_SIZE, unpack_kv_rows
 from ..quant.tokens import PackedTokens
 from ..sparse_mla import rows
-from .problem import QsfaProblem
+from .problem import QsfaProblem, candidate_tokens
 
 BUDGET_BYTES = 32 << 20
-
-
-def candidate_tokens(P: QsfaProblem, t0: int, t1: int):
-    """Token positions ``[n, K·bs]`` of rows ``[t0, t1)`` and the mask of visible ones."""
-    rows, bs = P.rows, P.block
-    b, i = rows.batch[t0:t1], rows.local[t0:t1]
-    S1, S2 = rows.extent[b], P.kv.lengths[b]
-    thr = S2 - S1 + i + 1 if P.causal else S2
-    idx = P.idx[t0:t1].to(torch.int64)
-    K = idx.size(1)
-    n_blocks = torch.clamp(torch.div(thr + bs - 1, bs, rounding_mode="floor"), 0, K)
-    listed = torch.cumprod((idx >= 0).to(torch.int32), dim=1).bool()      # -1 ends the list
-    slot = torch.arange(K, device=idx.device)
-    block_ok = listed & (slot[None] < n_blocks[:, None]) & (idx * bs < thr[:, None])
-    tok = idx[:, :, None] * bs + torch.arange(bs, device=idx.device)
-    end = torch.minimum(S2, thr)
-    mask = block_ok[:, :, None] & (tok < end[:, None, None]) & rows.used[t0:t1, None, None]
-    return b, tok.flatten(1), mask.flatten(1)
 
 
 def _rows_per_block(P: QsfaProblem) -> int:
@@ -92,14 +73,13 @@ def _results(P: QsfaProblem, out, smax, ssum, want_stats: bool):
     return attn, smax.reshape(P.stats_shape()), ssum.reshape(P.stats_shape())
 
 
-def forward(P: QsfaProblem, want_stats: bool):
-    if use_triton(P.query.device):
-        from . import triton as triton_kernels                # imported only when Triton runs
-        if triton_kernels.supports(P):
-            return triton_kernels.forward(P, want_stats)
-    tokens = compiled_tokens(P)
-    if tokens is not None:
-        return _forward_compiled(P, tokens, want_stats)
+def forward_compiled(P: QsfaProblem, want_stats: bool):
+    """The compiled CPU kernel, the packed tokens decoded as they are gathered."""
+    return _forward_compiled(P, compiled_tokens(P), want_stats)
+
+
+def forward_torch(P: QsfaProblem, want_stats: bool):
+    """The vectorised PyTorch path: blocks of rows, their candidate tokens dequantised here."""
     q = P.query
     qf = P.rows.flat(q)
     R, H, _ = qf.shape

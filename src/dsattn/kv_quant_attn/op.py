@@ -5,7 +5,7 @@ import torch
 
 from .._registry import register
 from ..quant.rows import KV_LORA_RANK
-from . import fast
+from . import dispatch
 from .problem import parse_qsfa
 
 KV_QUANT_SFA_SCHEMA = (
@@ -24,7 +24,7 @@ KV_QUANT_SFA_SCHEMA = (
 
 def _kernel(query, key, value, sparse_indices, scale_value=1.0, **kw):
     want = kw.pop("return_softmax_lse", False)
-    return fast.forward(parse_qsfa(query, key, value, sparse_indices, scale_value, **kw), want)
+    return dispatch.forward(parse_qsfa(query, key, value, sparse_indices, scale_value, **kw), want)
 
 
 def _fake(query, key, value, sparse_indices, scale_value=1.0, **kw):

@@ -153,3 +153,21 @@ def parse_qsfa(query, key, value, sparse_indices, scale_value=1.0, *, key_quant_
     idx = rows.flat(sparse_indices)[:, 0]
     return QsfaProblem(query, rows, kv, idx, float(scale_value), sinks, sparse_block_size, sparse_mode == 3,
                        rope_head_dim)
+
+
+def candidate_tokens(P: QsfaProblem, t0: int, t1: int):
+    """Token positions ``[n, K·bs]`` of rows ``[t0, t1)`` and the mask of visible ones."""
+    rows, bs = P.rows, P.block
+    b, i = rows.batch[t0:t1], rows.local[t0:t1]
+    S1, S2 = rows.extent[b], P.kv.lengths[b]
+    thr = S2 - S1 + i + 1 if P.causal else S2
+    idx = P.idx[t0:t1].to(torch.int64)
+    K = idx.size(1)
+    n_blocks = torch.clamp(torch.div(thr + bs - 1, bs, rounding_mode="floor"), 0, K)
+    listed = torch.cumprod((idx >= 0).to(torch.int32), dim=1).bool()      # -1 ends the list
+    slot = torch.arange(K, device=idx.device)
+    block_ok = listed & (slot[None] < n_blocks[:, None]) & (idx * bs < thr[:, None])
+    tok = idx[:, :, None] * bs + torch.arange(bs, device=idx.device)
+    end = torch.minimum(S2, thr)
+    mask = block_ok[:, :, None] & (tok < end[:, None, None]) & rows.used[t0:t1, None, None]
+    return b, tok.flatten(1), mask.flatten(1)

@@ -3,7 +3,7 @@ dequantised inside the attention kernel.
 
 It is the two-branch forward kernel of :mod:`dsattn.sparse_mla.triton` with one key source: a
 row's keys are its candidate tokens (every listed sparse block, whole, masked by causality and the
-KV length: :func:`dsattn.kv_quant_attn.fast.candidate_tokens`), passed as byte offsets of their
+KV length: :func:`dsattn.kv_quant_attn.problem.candidate_tokens`), passed as byte offsets of their
 packed rows (656 bytes with a 64-wide rope, 528 without).  The kernel loads the bytes, decodes
 int8 / fp8 e4m3fn, scales each 128-wide tile, rounds once to the query dtype (the golden's point),
 and splits the head dim exactly where the format does: the 512 dequantised columns (key and
@@ -17,8 +17,7 @@ import torch
 from ..common.checks import content_checks_enabled
 from ..quant.rows import KV_LORA_RANK, TILE_SIZE, PackedKV
 from ..sparse_mla.triton import ADDRESS_BUDGET, RowAttention, device_target, head_split, kernel_covers
-from .fast import candidate_tokens
-from .problem import QsfaProblem
+from .problem import QsfaProblem, candidate_tokens
 
 
 def supports(P: QsfaProblem) -> bool:

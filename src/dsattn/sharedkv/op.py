@@ -19,7 +19,7 @@ from ..planner import fast as fast_planner, native as native_planner
 from ..planner.params import TABLE_SIZE, plan_params
 from ..planner.table import encode
 from ..quant.rows import PackedKV
-from ..sparse_mla import fast
+from ..sparse_mla import dispatch as mla_dispatch
 from .execute import execute, read_plan
 from .problem import parse_sharedkv
 
@@ -66,7 +66,7 @@ def _kernel(q, packed=None, **kw):
             return triton_kernels.execute(P, metadata), empty
     if _walkable(metadata, q):
         return execute(P, metadata), empty
-    out, _ = fast.forward(P, False)
+    out, _ = mla_dispatch.forward(P, False)
     return out, empty
 
 

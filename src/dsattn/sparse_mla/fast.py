@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import use_triton
 from ..common.checks import stat_dtype
 from ..common.memory import empty_output
 from ..common.softmax import attend, attention_dtype, round_q, uses_flash
 from ..quant.tokens import PackedTokens
-from .problem import MlaProblem, lse_from_rows, lse_to_rows
+from .problem import MlaProblem, grad_results, l1_outputs, lse_from_rows, lse_to_rows
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -136,19 +135,19 @@ def _native_keys(P: MlaProblem, flat, k) -> tuple[list, list]:
     return [x for x, _ in parts], [i for _, i in parts]
 
 
-def forward(P: MlaProblem, return_softmax_lse: bool):
-    if use_triton(P.q.device):
-        from . import triton as triton_kernels                # imported only when Triton runs
-        if triton_kernels.supports(P):
-            return triton_kernels.forward(P, return_softmax_lse)
+def forward_native(P: MlaProblem, native, return_softmax_lse: bool):
+    """The compiled forward (``native``: :func:`native_sources`'s module and in-place sources)."""
     q = P.q
-    native = native_sources(P)
-    if native is not None:
-        R, H, D = P.rows.R, q.size(-2), q.size(-1)
-        out = empty_output(R, H, D, dtype=q.dtype, device=q.device)
-        lse = torch.empty(R, H, dtype=stat_dtype(q), device=q.device)
-        _forward_native(P, *native, out, lse)
-        return _results(P, out, lse, return_softmax_lse)
+    R, H, D = P.rows.R, q.size(-2), q.size(-1)
+    out = empty_output(R, H, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(R, H, dtype=stat_dtype(q), device=q.device)
+    _forward_native(P, *native, out, lse)
+    return _results(P, out, lse, return_softmax_lse)
+
+
+def forward_torch(P: MlaProblem, return_softmax_lse: bool):
+    """The vectorised PyTorch forward (any device and dtype)."""
+    q = P.q
     cdt = _compute_dtype(q)
     qf = P.rows.flat(q)
     R, H, D = qf.shape
@@ -180,30 +179,15 @@ def _results(P: MlaProblem, out, lse, return_softmax_lse: bool):
     return attn_out, lse_from_rows(lse, q, "BSND" if P.rows.layout == "BSND" else "TND")
 
 
-def l1_outputs(P: MlaProblem, k, Pmean: torch.Tensor, t0: int, t1: int, cmp_l1, ori_l1) -> None:
-    """Write the L1-norm outputs of rows ``[t0, t1)`` from ``Pmean [r, W]`` (P averaged over heads,
-    per key column): cmp slot s is column ``Wo + s``; an ori slot is its listed position's column
-    in the row's window (0 where not inside it or past the list's first -1)."""
-    Wo = P.ori_width
-    sdt, dev = stat_dtype(P.q), P.q.device
-    if cmp_l1 is not None:
-        cmp_l1[t0:t1, : P.cmp_width] = Pmean[:, Wo:].to(sdt)
-    if ori_l1 is not None and Wo > 0:                                   # Wo = 0: no ori key, l1 stays 0
-        x = P.ori_idx[t0:t1].to(torch.int64)
-        walk = (torch.cumsum((x < 0).to(torch.int32), -1) == 0) & k.valid[:, None]
-        col = x - k.ori_x[:, :1]
-        inside = walk & (col >= 0) & (col < Wo)
-        colc = torch.where(inside, col, torch.zeros_like(col))
-        hit = inside & torch.gather(k.ori_mask, 1, colc)
-        ori_l1[t0:t1] = torch.where(hit, torch.gather(Pmean[:, :Wo], 1, colc),
-                                    torch.zeros((), dtype=Pmean.dtype, device=dev)).to(sdt)
+def backward_native(P: MlaProblem, native, dout, attn_out, softmax_lse):
+    """The compiled gradient (``native``: :func:`native_sources` with every source a flat view)."""
+    rows = P.rows
+    return _backward_native(P, *native, rows.flat(P.q), rows.flat(dout), rows.flat(attn_out),
+                            lse_to_rows(softmax_lse, rows))
 
 
-def backward(P: MlaProblem, dout, attn_out, softmax_lse):
-    if use_triton(P.q.device):
-        from . import triton as triton_kernels                # imported only when Triton runs
-        if triton_kernels.backward_supports(P):
-            return triton_kernels.backward(P, dout, attn_out, softmax_lse)
+def backward_torch(P: MlaProblem, dout, attn_out, softmax_lse):
+    """The vectorised PyTorch gradient (any device and dtype)."""
     q = P.q
     cdt = _compute_dtype(q)
     sdt = stat_dtype(q)
@@ -211,9 +195,6 @@ def backward(P: MlaProblem, dout, attn_out, softmax_lse):
     rows = P.rows
     qf, dof, of = rows.flat(q), rows.flat(dout), rows.flat(attn_out)
     lse_rows = lse_to_rows(softmax_lse, rows)
-    native = native_sources(P)
-    if native is not None and all(isinstance(f, torch.Tensor) for f in native[1]):
-        return _backward_native(P, *native, qf, dof, of, lse_rows)
     R, H, D = qf.shape
     Wo = P.ori_width
     dq = empty_output(R, H, D, dtype=q.dtype, device=dev)
@@ -296,15 +277,3 @@ def _backward_native(P: MlaProblem, module, flat, qf, dof, of, lse_rows) -> tupl
     return grad_results(P, dq, dori, dcmp, dsinks if sinks is not None else None, ori_l1, cmp_l1)
 
 
-def grad_results(P: MlaProblem, dq, dori, dcmp, dsinks, ori_l1, cmp_l1) -> tuple:
-    """The op's outputs from flattened-row gradients (fp32 KV gradients cast to the KV dtype; empty
-    tensors for absent parts)."""
-    q, rows = P.q, P.rows
-    sdt, dev = stat_dtype(q), q.device
-    empty = torch.zeros(0, dtype=sdt, device=dev)
-    return (rows.unflat(dq, q),
-            dori.to(P.ori.tensor.dtype),
-            dcmp.to(P.cmp.tensor.dtype) if dcmp is not None else torch.zeros(0, dtype=q.dtype, device=dev),
-            dsinks.to(sdt) if dsinks is not None else empty,
-            rows.unflat(ori_l1, q).unsqueeze(-2) if ori_l1 is not None else empty,
-            rows.unflat(cmp_l1, q).unsqueeze(-2) if cmp_l1 is not None else empty)

@@ -5,7 +5,7 @@ import torch
 
 from .._registry import register
 from ..common.checks import stat_dtype
-from . import fast
+from . import dispatch
 from .problem import check_grad_inputs, lse_shape, parse_mla
 
 SPARSE_FLASH_MLA_SCHEMA = (
@@ -37,7 +37,7 @@ SPARSE_FLASH_MLA_GRAD_SCHEMA = (
 
 def _forward_kernel(q, **kw):
     want_lse = kw.pop("return_softmax_lse", False)
-    return fast.forward(parse_mla(q, **kw), want_lse)
+    return dispatch.forward(parse_mla(q, **kw), want_lse)
 
 
 def _forward_fake(q, **kw):
@@ -54,7 +54,7 @@ def _grad_parse(q, dout, attn_out, softmax_lse, kw, content):
 
 
 def _grad_kernel(q, dout, attn_out, softmax_lse, **kw):
-    return fast.backward(_grad_parse(q, dout, attn_out, softmax_lse, kw, None), dout, attn_out, softmax_lse)
+    return dispatch.backward(_grad_parse(q, dout, attn_out, softmax_lse, kw, None), dout, attn_out, softmax_lse)
 
 
 def _grad_fake(q, dout, attn_out, softmax_lse, **kw):

@@ -334,3 +334,39 @@ def lse_to_rows(lse: torch.Tensor, rows: QueryRows) -> torch.Tensor:
 def lse_from_rows(lse: torch.Tensor, q: torch.Tensor, layout_q: str) -> torch.Tensor:
     """``[R, H]`` -> the forward LSE layout."""
     return lse.reshape(lse_shape(q, layout_q))
+
+
+# ---- results shared by every backend ----
+
+
+def l1_outputs(P: MlaProblem, k, Pmean: torch.Tensor, t0: int, t1: int, cmp_l1, ori_l1) -> None:
+    """Write the L1-norm outputs of rows ``[t0, t1)`` from ``Pmean [r, W]`` (P averaged over heads,
+    per key column): cmp slot s is column ``Wo + s``; an ori slot is its listed position's column
+    in the row's window (0 where not inside it or past the list's first -1)."""
+    Wo = P.ori_width
+    sdt, dev = stat_dtype(P.q), P.q.device
+    if cmp_l1 is not None:
+        cmp_l1[t0:t1, : P.cmp_width] = Pmean[:, Wo:].to(sdt)
+    if ori_l1 is not None and Wo > 0:                                   # Wo = 0: no ori key, l1 stays 0
+        x = P.ori_idx[t0:t1].to(torch.int64)
+        walk = (torch.cumsum((x < 0).to(torch.int32), -1) == 0) & k.valid[:, None]
+        col = x - k.ori_x[:, :1]
+        inside = walk & (col >= 0) & (col < Wo)
+        colc = torch.where(inside, col, torch.zeros_like(col))
+        hit = inside & torch.gather(k.ori_mask, 1, colc)
+        ori_l1[t0:t1] = torch.where(hit, torch.gather(Pmean[:, :Wo], 1, colc),
+                                    torch.zeros((), dtype=Pmean.dtype, device=dev)).to(sdt)
+
+
+def grad_results(P: MlaProblem, dq, dori, dcmp, dsinks, ori_l1, cmp_l1) -> tuple:
+    """The op's outputs from flattened-row gradients (fp32 KV gradients cast to the KV dtype; empty
+    tensors for absent parts)."""
+    q, rows = P.q, P.rows
+    sdt, dev = stat_dtype(q), q.device
+    empty = torch.zeros(0, dtype=sdt, device=dev)
+    return (rows.unflat(dq, q),
+            dori.to(P.ori.tensor.dtype),
+            dcmp.to(P.cmp.tensor.dtype) if dcmp is not None else torch.zeros(0, dtype=q.dtype, device=dev),
+            dsinks.to(sdt) if dsinks is not None else empty,
+            rows.unflat(ori_l1, q).unsqueeze(-2) if ori_l1 is not None else empty,
+            rows.unflat(cmp_l1, q).unsqueeze(-2) if cmp_l1 is not None else empty)

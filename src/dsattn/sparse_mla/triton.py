@@ -589,9 +589,8 @@ def _grad_rows(src, addr, mask, first: int) -> torch.Tensor:
 
 
 def backward(P: MlaProblem, dout, attn_out, softmax_lse):
-    """The gradient through :func:`sparse_mla_bwd_kernel`; same outputs as ``fast.backward``."""
-    from .fast import grad_results, l1_outputs
-    from .problem import lse_to_rows
+    """The gradient through :func:`sparse_mla_bwd_kernel`; same outputs as the other backends' (``dispatch.backward``)."""
+    from .problem import grad_results, l1_outputs, lse_to_rows
     q, rows = P.q, P.rows
     dev = q.device
     qf, dof, of = (rows.flat_unit_stride(x) for x in (q, dout, attn_out))

@@ -1,0 +1,79 @@
+"""Which implementation runs ``lightning_indexer``: the one place that decides.
+
+Each backend says why it does not take a call (``reasons(P)``, empty when it does); the first that
+takes it runs: Triton (CUDA tensors under ``DSATTN_BACKEND=auto`` / ``triton``), the compiled CPU
+top-k, the vectorised PyTorch path.  Backends never import each other: the selection they all finish
+with is :func:`dsattn.indexer.problem.select_topk`.  The KL-loss gradient has one implementation
+(:func:`dsattn.indexer.fast.kl_loss_grad`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backend import use_triton
+from . import fast
+from .problem import IndexerProblem
+
+
+class Triton:
+    name = "triton"
+
+    @staticmethod
+    def reasons(P: IndexerProblem) -> list[str]:
+        if not use_triton(P.q.device):
+            return [f"{P.q.device.type} tensors do not run Triton (DSATTN_BACKEND and the device decide)"]
+        from . import triton as kernels                   # imported only where Triton runs
+        return [] if kernels.supports(P) else ["the kernel does not cover this call (indexer.triton.supports)"]
+
+    @staticmethod
+    def lightning_indexer(P: IndexerProblem, topk: int, offset):
+        from . import triton as kernels
+        return kernels.lightning_indexer(P, topk, offset)
+
+
+class Compiled:
+    name = "compiled"
+
+    @staticmethod
+    def reasons(P: IndexerProblem) -> list[str]:
+        if fast.native_indexer(P) is not None:
+            return []
+        q, why = P.q, []
+        if q.device.type != "cpu":
+            why.append(f"not a CPU tensor ({q.device.type})")
+        if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            why.append(f"query dtype {q.dtype} (it takes bf16, fp16, fp32)")
+        if P.k.flat_rows() is None:
+            why.append("the keys are not one flat view (strided)")
+        if not why:
+            from .. import native
+            why.append(native.status())
+        return why
+
+    lightning_indexer = staticmethod(fast.lightning_indexer_native)
+
+
+class Torch:
+    name = "torch"
+
+    @staticmethod
+    def reasons(P: IndexerProblem) -> list[str]:
+        return []
+
+    lightning_indexer = staticmethod(fast.lightning_indexer_torch)
+
+
+BACKENDS = (Triton, Compiled, Torch)
+
+
+def choose(P: IndexerProblem) -> type:
+    return next(b for b in BACKENDS if not b.reasons(P))
+
+
+def explain(P: IndexerProblem) -> list[tuple[str, list[str]]]:
+    return [(b.name, b.reasons(P)) for b in BACKENDS]
+
+
+def lightning_indexer(P: IndexerProblem, topk: int, offset):
+    """``(indices [R, topk] int32, values [R, topk] float32)`` over flattened rows."""
+    return choose(P).lightning_indexer(P, topk, offset)

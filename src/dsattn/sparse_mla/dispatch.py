@@ -1,0 +1,104 @@
+"""Which implementation runs ``sparse_flash_mla`` and its gradient: the one place that decides.
+
+Each backend says what it covers (``reasons(P)``: why it does not take a call, empty when it does), in
+the spirit of xformers' fmha dispatch; the first that takes the call runs it.  The order: Triton
+(CUDA tensors under ``DSATTN_BACKEND=auto`` / ``triton``), then the compiled CPU kernels, then the
+vectorised PyTorch path, which takes everything.  Backends never import each other; what they share
+lives in :mod:`dsattn.sparse_mla.problem` and :mod:`dsattn.common`.  ``dsattn bench --which`` prints
+:func:`explain`'s reasons.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backend import use_triton
+from ..common.softmax import uses_flash
+from . import fast
+from .problem import MlaProblem
+
+
+class Triton:
+    name = "triton"
+
+    @staticmethod
+    def reasons(P: MlaProblem, grad: bool = False) -> list[str]:
+        if not use_triton(P.q.device):
+            return [f"{P.q.device.type} tensors do not run Triton (DSATTN_BACKEND and the device decide)"]
+        from . import triton as kernels                   # imported only where Triton runs
+        if not (kernels.backward_supports(P) if grad else kernels.supports(P)):
+            return ["the kernel does not cover this call (dtype, head dim, packed rows or strides: "
+                    f"sparse_mla.triton.{'backward_supports' if grad else 'supports'})"]
+        return []
+
+    @staticmethod
+    def forward(P: MlaProblem, want_lse: bool):
+        from . import triton as kernels
+        return kernels.forward(P, want_lse)
+
+    @staticmethod
+    def backward(P: MlaProblem, dout, attn_out, softmax_lse):
+        from . import triton as kernels
+        return kernels.backward(P, dout, attn_out, softmax_lse)
+
+
+class Compiled:
+    name = "compiled"
+
+    @staticmethod
+    def reasons(P: MlaProblem, grad: bool = False) -> list[str]:
+        native = fast.native_sources(P)
+        if native is not None:
+            if grad and not all(isinstance(f, torch.Tensor) for f in native[1]):
+                return ["the gradient reads plain key rows in place only (packed or strided caches here)"]
+            return []
+        q, why = P.q, []
+        if q.device.type != "cpu":
+            why.append(f"not a CPU tensor ({q.device.type})")
+        if q.dtype not in fast.NATIVE_DTYPES:
+            why.append(f"query dtype {q.dtype} (it takes bf16, fp16, fp32)")
+        if uses_flash(q.dtype, q.device):
+            why.append("the flash rounding opt-in is on (dsattn.set_flash_attention)")
+        if not why:
+            from .. import native as native_layer
+            why.append(native_layer.status())
+        return why
+
+    @staticmethod
+    def forward(P: MlaProblem, want_lse: bool):
+        return fast.forward_native(P, fast.native_sources(P), want_lse)
+
+    @staticmethod
+    def backward(P: MlaProblem, dout, attn_out, softmax_lse):
+        return fast.backward_native(P, fast.native_sources(P), dout, attn_out, softmax_lse)
+
+
+class Torch:
+    name = "torch"
+
+    @staticmethod
+    def reasons(P: MlaProblem, grad: bool = False) -> list[str]:
+        return []
+
+    forward = staticmethod(fast.forward_torch)
+    backward = staticmethod(fast.backward_torch)
+
+
+BACKENDS = (Triton, Compiled, Torch)
+
+
+def choose(P: MlaProblem, grad: bool = False) -> type:
+    """The first backend that takes the call."""
+    return next(b for b in BACKENDS if not b.reasons(P, grad))
+
+
+def explain(P: MlaProblem, grad: bool = False) -> list[tuple[str, list[str]]]:
+    """``(backend, reasons it does not take the call)`` for every backend, in dispatch order."""
+    return [(b.name, b.reasons(P, grad)) for b in BACKENDS]
+
+
+def forward(P: MlaProblem, want_lse: bool):
+    return choose(P).forward(P, want_lse)
+
+
+def backward(P: MlaProblem, dout, attn_out, softmax_lse):
+    return choose(P, grad=True).backward(P, dout, attn_out, softmax_lse)
