@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..backend import use_triton
+from ..common import dispatch
+from ..common.dispatch import TakesEverything
 from . import fast
 from .problem import IndexerProblem
 
@@ -53,13 +55,7 @@ class Compiled:
     lightning_indexer = staticmethod(fast.lightning_indexer_native)
 
 
-class Torch:
-    name = "torch"
-
-    @staticmethod
-    def reasons(P: IndexerProblem) -> list[str]:
-        return []
-
+class Torch(TakesEverything):
     lightning_indexer = staticmethod(fast.lightning_indexer_torch)
 
 
@@ -67,11 +63,11 @@ BACKENDS = (Triton, Compiled, Torch)
 
 
 def choose(P: IndexerProblem) -> type:
-    return next(b for b in BACKENDS if not b.reasons(P))
+    return dispatch.choose(BACKENDS, P)
 
 
 def explain(P: IndexerProblem) -> list[tuple[str, list[str]]]:
-    return [(b.name, b.reasons(P)) for b in BACKENDS]
+    return dispatch.explain(BACKENDS, P)
 
 
 def lightning_indexer(P: IndexerProblem, topk: int, offset):

@@ -8,6 +8,8 @@ they all start from are :func:`dsattn.kv_quant_attn.problem.candidate_tokens`.
 from __future__ import annotations
 
 from ..backend import use_triton
+from ..common import dispatch
+from ..common.dispatch import TakesEverything
 from . import fast
 from .problem import QsfaProblem
 
@@ -46,13 +48,7 @@ class Compiled:
     forward = staticmethod(fast.forward_compiled)
 
 
-class Torch:
-    name = "torch"
-
-    @staticmethod
-    def reasons(P: QsfaProblem) -> list[str]:
-        return []
-
+class Torch(TakesEverything):
     forward = staticmethod(fast.forward_torch)
 
 
@@ -60,11 +56,11 @@ BACKENDS = (Triton, Compiled, Torch)
 
 
 def choose(P: QsfaProblem) -> type:
-    return next(b for b in BACKENDS if not b.reasons(P))
+    return dispatch.choose(BACKENDS, P)
 
 
 def explain(P: QsfaProblem) -> list[tuple[str, list[str]]]:
-    return [(b.name, b.reasons(P)) for b in BACKENDS]
+    return dispatch.explain(BACKENDS, P)
 
 
 def forward(P: QsfaProblem, want_stats: bool):

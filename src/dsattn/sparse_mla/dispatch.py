@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..backend import use_triton
+from ..common import dispatch
+from ..common.dispatch import TakesEverything
 from ..common.softmax import uses_flash
 from . import fast
 from .problem import MlaProblem
@@ -72,13 +74,7 @@ class Compiled:
         return fast.backward_native(P, fast.native_sources(P), dout, attn_out, softmax_lse)
 
 
-class Torch:
-    name = "torch"
-
-    @staticmethod
-    def reasons(P: MlaProblem, grad: bool = False) -> list[str]:
-        return []
-
+class Torch(TakesEverything):
     forward = staticmethod(fast.forward_torch)
     backward = staticmethod(fast.backward_torch)
 
@@ -88,12 +84,12 @@ BACKENDS = (Triton, Compiled, Torch)
 
 def choose(P: MlaProblem, grad: bool = False) -> type:
     """The first backend that takes the call."""
-    return next(b for b in BACKENDS if not b.reasons(P, grad))
+    return dispatch.choose(BACKENDS, P, grad)
 
 
 def explain(P: MlaProblem, grad: bool = False) -> list[tuple[str, list[str]]]:
     """``(backend, reasons it does not take the call)`` for every backend, in dispatch order."""
-    return [(b.name, b.reasons(P, grad)) for b in BACKENDS]
+    return dispatch.explain(BACKENDS, P, grad)
 
 
 def forward(P: MlaProblem, want_lse: bool):
