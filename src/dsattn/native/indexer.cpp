@@ -94,17 +94,27 @@ __attribute__((target("avx512f"))) inline __m512 lane_sums16(__m512 v[16]) {
 __attribute__((target("avx512f"))) void head_sum_keys_avx512(const float* c, int64_t M, int64_t Hp, const float* w,
                                                              float* out) {
   const __m512 zero = _mm512_setzero_ps();
-  for (int64_t j = 0; j < M; j += 16) {
-    const int64_t keys = std::min<int64_t>(16, M - j);
+  int64_t j = 0;
+  for (; j + 16 <= M; j += 16) {         // (a fixed count: the 16 accumulators stay in registers)
     __m512 acc[16];
     for (int r = 0; r < 16; ++r) acc[r] = zero;
     for (int64_t h = 0; h < Hp; h += 16) {
       const __m512 wh = _mm512_loadu_ps(w + h);
-      for (int r = 0; r < keys; ++r)   // MAXPS returns its second operand for NaN (and for -0.0)
+      for (int r = 0; r < 16; ++r)       // MAXPS returns its second operand for NaN (and for -0.0)
         acc[r] = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(c + (j + r) * Hp + h)), wh, acc[r]);
     }
-    const __m512 sums = lane_sums16(acc);
-    _mm512_mask_storeu_ps(out + j, keys >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << keys) - 1), sums);
+    _mm512_storeu_ps(out + j, lane_sums16(acc));
+  }
+  if (j < M) {                           // the last keys: the same steps, missing keys left at zero
+    const int64_t keys = M - j;
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = zero;
+    for (int64_t h = 0; h < Hp; h += 16) {
+      const __m512 wh = _mm512_loadu_ps(w + h);
+      for (int r = 0; r < keys; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(c + (j + r) * Hp + h)), wh, acc[r]);
+    }
+    _mm512_mask_storeu_ps(out + j, __mmask16((1u << keys) - 1), lane_sums16(acc));
   }
 }
 
