@@ -52,9 +52,6 @@ def _native_topk(P: IndexerProblem, module, topk: int, offset: torch.Tensor | No
     gather, no [rows, keys] buffer) and keeps a running top-k; nothing is read on the host here."""
     R = P.rows.R
     n = P.num_valid(0, R).to(torch.int64).contiguous()                  # 0 for padding rows: not read
-    if P.content:
-        needed = torch.zeros(P.rows.B, dtype=torch.int64).scatter_reduce(0, P.rows.batch.to(torch.int64), n, "amax")
-        P.k.check_table_covers(needed, "seqused_k")
     pages, page = P.k.pages()
     vals, idx = module.indexer_topk(P.rows.flat(P.q).contiguous(), P.k.flat_rows(), pages, page,
                                     P.rows.batch.to(torch.int64).contiguous(), n, P.w.contiguous(), topk,

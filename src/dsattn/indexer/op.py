@@ -46,6 +46,11 @@ def _indexer_defaults(kw):
 
 def _indexer_kernel(q, k, w, topk, **kw):
     P, offset, return_value = _indexer_parse(q, k, w, topk, kw, None)
+    if P.content:                                   # every key a row scores must be mapped, on every path
+        n = P.num_valid(0, P.rows.R).to(torch.int64)
+        needed = torch.zeros(P.rows.B, dtype=torch.int64, device=n.device).scatter_reduce(
+            0, P.rows.batch.to(torch.int64), n, "amax")
+        P.k.check_table_covers(needed, "seqused_k")
     idx, val = dispatch.lightning_indexer(P, topk, offset)
     check_offset_results(idx, offset, P.content)
     out_idx = P.rows.unflat(idx, q).unsqueeze(-2)
