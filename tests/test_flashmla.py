@@ -332,3 +332,22 @@ def test_api_errors():
         flashmla.flash_mla_sparse_fwd(q[0], cache[0], idx.view(1, 3, 1), 0.1)        # [s_q, 1, topk] expected
     with pytest.raises(ValueError, match="^kv:"):
         flashmla.flash_mla_sparse_fwd(q[0], cache[0, :, 0], idx[0][:, None].expand(1, 1, 3), 0.1)
+
+
+def test_fp8_cache_descriptors_follow_the_tensor_object():
+    # the packed-token descriptor of an FP8 cache is kept per tensor object: a freed cache drops it, and
+    # a cache passed with other strides (a view of other blocks) gets its own
+    import gc
+
+    from dsattn import flashmla as fm
+    from dsattn.quant import flashmla as F
+    kv = torch.randn(4, 64, 1, 512, dtype=torch.bfloat16)
+    cache = F.quantize_cache(kv, F.V4)
+    first = fm._packed_tokens(cache, "k_cache")
+    assert fm._packed_tokens(cache, "k_cache") is first
+    part = cache[1:3]
+    assert fm._packed_tokens(part, "k_cache") is not first
+    key = id(cache)
+    del cache, part, first
+    gc.collect()
+    assert key not in fm._TOKENS

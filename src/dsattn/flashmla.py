@@ -29,6 +29,8 @@ FlashMLA does.
 """
 from __future__ import annotations
 
+import weakref
+
 import dataclasses
 from typing import Optional, Tuple
 
@@ -85,7 +87,7 @@ def _check_flat_indices(name: str, idx: torch.Tensor, lead: tuple, pool: int) ->
     if tuple(idx.shape[:-1]) != lead:
         fail(name, f"expected shape {list(lead) + ['topk']}, got {tuple(idx.shape)}")
     if content_checks_enabled(idx) and idx.numel():
-        lo, hi = int(idx.min()), int(idx.max())
+        lo, hi = (int(v) for v in torch.aminmax(idx))
         if lo < -1 or hi >= pool:
             bad = lo if lo < -1 else hi
             fail(name, f"value {bad} is neither -1 nor a token of the cache's {pool} (num_blocks x page_block_size)")
@@ -146,7 +148,23 @@ class _Scope:
     def source(self):
         """The cache as the kernels read it: a bf16 / fp16 cache as it lies, an FP8 cache as packed
         tokens (only the listed ones are decoded, as they are read)."""
-        return PackedTokens.from_flashmla(self.cache, self.name) if self.fp8 else self.cache
+        return _packed_tokens(self.cache, self.name) if self.fp8 else self.cache
+
+
+# A decode loop passes the same FP8 cache tensors every step: their PackedTokens descriptors are kept,
+# keyed by the tensor object itself (a weak reference: when the tensor is freed its entry goes, so a new
+# tensor at the same address never finds an old descriptor) and by its shape and strides.
+_TOKENS: dict[int, tuple] = {}
+
+
+def _packed_tokens(cache: torch.Tensor, name: str) -> PackedTokens:
+    key = (tuple(cache.shape), tuple(cache.stride()), cache.storage_offset(), cache.dtype)
+    hit = _TOKENS.get(id(cache))
+    if hit is not None and hit[0]() is cache and hit[1] == key:
+        return hit[2]
+    tokens = PackedTokens.from_flashmla(cache, name)
+    _TOKENS[id(cache)] = (weakref.ref(cache, lambda _, i=id(cache): _TOKENS.pop(i, None)), key, tokens)
+    return tokens
 
 
 def _attend(q, parts, scale, sinks):
