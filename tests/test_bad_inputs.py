@@ -655,6 +655,8 @@ CLI = [
     (["demo", "--tokens", "0", "--ops"], "--tokens"),
     (["verify", "--impl", "cuda"], "--impl"),
     (["verify", "--fuzz", "0"], "--fuzz"),
+    (["verify", "--batch-invariance", "0"], "--batch-invariance"),
+    (["verify", "--fuzz", "1", "--batch-invariance", "1"], "--batch-invariance"),
     (["verify", "--fuzz", "3", "--family", "attention"], "--family"),
     (["verify", "--seed", "3"], "--seed"),
     (["bench", "--family", "gpu2"], "--family"),

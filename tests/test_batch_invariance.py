@@ -65,3 +65,12 @@ def test_indexer_valid_rows_do_not_depend_on_seqused_q():
         i2, v2 = ops.lightning_indexer(q, k, w, 7, **kw)
         valid = torch.arange(16)[None] < used_q[:, None]
         assert torch.equal(i1[valid], i2[valid]) and torch.equal(v1[valid], v2[valid]), seed
+
+
+def test_the_cli_runs_the_family(capsys, native_module):
+    from dsattn.cli import main
+    if native_module is None:
+        pytest.skip(f"the guarantee is the compiled CPU path's; here: {native.status()}")
+    assert main(["verify", "--batch-invariance", "3", "--family", "compressor", "--seed", str(BASE)]) == 0
+    out = capsys.readouterr().out
+    assert "compressor: 3 configurations" in out and "bit-identical" in out
