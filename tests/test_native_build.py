@@ -133,3 +133,15 @@ def test_a_directory_without_its_completion_mark_is_rebuilt(tmp_path, monkeypatc
         f.write(b"\0" * 16)
     answer, again, _, err = _load_in_fresh_process(src, tmp_path / "ext")
     assert (answer, again) == (7, name) and "building" in err
+
+
+def test_dsattn_build_builds_or_finds_the_layer_and_says_where(monkeypatch, capsys, native_module):
+    from dsattn.cli import main
+    if native_module is None:
+        pytest.skip("no compiled layer here")
+    assert main(["build"]) == 0
+    out = capsys.readouterr().out
+    assert "native: loaded" in out and native_module.__file__ in out
+    monkeypatch.setenv("DSATTN_NATIVE", "0")
+    assert main(["build"]) == 2
+    assert capsys.readouterr().err.startswith("dsattn build: error: DSATTN_NATIVE=0")

@@ -147,6 +147,24 @@ _PLAN_FLAGS = {"aic_core_num": "--cores", "aiv_core_num": "--aiv", "ori_win_left
                "num_heads_q": "--heads", "cmp_topk": "--topk", "seqused_kv": "--lengths", "cu_seqlens_q": "--lengths"}
 
 
+def _build(args) -> int:
+    """``dsattn build``: build (or find) the compiled layer now, e.g. in an image build step, and say where."""
+    import warnings
+
+    from . import native
+    if not native.requested():
+        print("dsattn build: error: DSATTN_NATIVE=0 asks for no compiled layer", file=sys.stderr)
+        return 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        module = native.load()
+    if module is None:
+        print(f"dsattn build: {native.status()}", file=sys.stderr)
+        return 1
+    print(f"{native.status()}\nmodule: {module.__file__}")
+    return 0
+
+
 def _plan(args) -> int:
     try:
         return _plan_table(args)
@@ -304,6 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--fd", action="store_true", help="allow split-KV (support_fd)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of per-core cost")
     p.set_defaults(fn=_plan)
+    bl = sub.add_parser("build", help="build the compiled CPU layer now (else it builds on first use) and say where")
+    bl.set_defaults(fn=_build)
     bn = sub.add_parser("bench", help="CPU benchmarks: ceilings, every family's workloads, RESULTS.md")
     bn.add_argument("--family", action="append",
                     choices=("attention", "indexer", "backward", "kv_quant", "planner", "flashmla", "gpu"),
