@@ -145,3 +145,12 @@ def test_dsattn_build_builds_or_finds_the_layer_and_says_where(monkeypatch, caps
     monkeypatch.setenv("DSATTN_NATIVE", "0")
     assert main(["build"]) == 2
     assert capsys.readouterr().err.startswith("dsattn build: error: DSATTN_NATIVE=0")
+
+
+def test_a_build_error_is_the_compilers_own_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    src = tmp_path / "broken.cpp"
+    src.write_text("#include <pybind11/pybind11.h>\nint broken( {\n")
+    with pytest.raises(RuntimeError, match=r"broken\.cpp:\d+:\d+: error:"):
+        build.build_and_load("dsattn_buildtest", [str(src)], say=lambda m: None)
+    assert not [p for p in (tmp_path / "ext").rglob("*.tmp-*")], "a failed build left its temporary directory"

@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,9 +136,11 @@ def _compile_in_child(name: str, sources, cflags, ldflags, directory: str, timeo
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"the build took over {timeout_s:.0f} s") from None
     except subprocess.CalledProcessError as exc:
-        lines = [x for x in (exc.stderr or "").strip().splitlines() if x.strip()]
-        errors = [x for x in lines if "error" in x.lower() and not x.startswith(("Traceback", "  File"))]
-        raise RuntimeError((errors or lines or [f"build exited {exc.returncode}"])[-1]) from None
+        lines = [x.strip() for x in ((exc.stderr or "") + "\n" + (exc.stdout or "")).splitlines() if x.strip()]
+        # the compiler's own words where there are some ("x.cpp:12: error: ...", "c++: not found"), else the last line
+        said = [x for x in lines if re.search(r"error:|not found|No such file|cannot execute", x)
+                and not x.startswith(("Traceback", "File ", "raise ", "subprocess."))]
+        raise RuntimeError((said or lines or [f"build exited {exc.returncode}"])[0 if said else -1][:400]) from None
 
 
 def build_and_load(prefix: str, sources: list[str], headers: list[str] = (), cflags: list[str] = (),
