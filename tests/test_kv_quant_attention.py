@@ -4,7 +4,7 @@ the error paths."""
 import pytest
 import torch
 
-from dsattn import cases, ops, quant, reference, testing, verify
+from dsattn import cases, ops, quant, testing, verify
 
 from conftest import randn
 

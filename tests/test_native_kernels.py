@@ -461,16 +461,29 @@ def test_rows_matmul_is_a_matmul_whose_rows_do_not_depend_on_the_others(gemm_mod
     # gives in the call, on one thread or all (K summed in one order whatever R and the threads)
     g = torch.Generator().manual_seed(R * 7 + K * 3 + N)
     a, b = torch.randn(R, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
-    c = gemm_module.rows_matmul(a, b)
+    c, c2 = gemm_module.rows_matmul(a, [b, b[:N // 2].contiguous()])      # a packed once for both
+    assert torch.equal(c2, c[:, :N // 2])
     want = a.double() @ b.double().T
     bound = a.double().abs() @ b.double().abs().T
     assert c.dtype == torch.float32 and c.shape == (R, N)
     assert bool(((c.double() - want).abs() <= (K + 1) * 2.0 ** -23 * bound + 1e-30).all())
     for r in {0, R // 2, R - 1} if R else ():
-        assert torch.equal(gemm_module.rows_matmul(a[r:r + 1].contiguous(), b)[0], c[r])
+        assert torch.equal(gemm_module.rows_matmul(a[r:r + 1].contiguous(), [b])[0][0], c[r])
     was = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(gemm_module.rows_matmul(a, b), c)
+        assert torch.equal(gemm_module.rows_matmul(a, [b])[0], c)
     finally:
         torch.set_num_threads(was)
+
+
+def test_rows_matmul_rejects_operands_that_do_not_fit(native_module):
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    a = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match=r"b\[1\]: expected \[N, K=8\]"):
+        native_module.rows_matmul(a, [torch.randn(4, 8), torch.randn(4, 7)])
+    with pytest.raises(RuntimeError, match=r"b\[0\]: dtype BFloat16, expected a's Float"):
+        native_module.rows_matmul(a, [torch.randn(4, 8).bfloat16()])
+    with pytest.raises(RuntimeError, match=r"b\[0\]: a contiguous CPU tensor"):
+        native_module.rows_matmul(a, [torch.randn(8, 4).T])

@@ -42,7 +42,7 @@ def _kv_layout(kw) -> str:
     return kw.get("layout_kv", kw.get("layout_k", "BSND"))
 
 
-def _starts_ends(kw, B: int, layout: str, cu_name: str | None, ends_only: bool = False):
+def _starts_ends(kw, B: int, cu_name: str, ends_only: bool = False):
     """Per-request [start, end) of TND rows from a cumulative tensor (``cu_seqlens`` [B + 1] or, for
     QSFA, cumulative ends [B])."""
     cu = kw[cu_name].to(torch.int64).tolist()
@@ -65,7 +65,7 @@ class Request:
         else:
             name = "actual_seq_lengths_query" if self.qsfa else "cu_seqlens_q"
             self.B = kw[name].numel() - (0 if self.qsfa else 1)
-            self.q_rows = _starts_ends(kw, self.B, "TND", name, ends_only=self.qsfa)
+            self.q_rows = _starts_ends(kw, self.B, name, ends_only=self.qsfa)
 
     # -- the rows of request b in an output laid out like q (BSND [B, S1, ...] / TND [T, ...])
     def valid_rows(self, b: int) -> int:
@@ -100,7 +100,7 @@ class Request:
         if self.lkv == "BSND":
             return t[b:b + 1]
         if self.lkv == "TND":
-            s, e = _starts_ends(self.kw, self.B, "TND", _KV_CU[name], ends_only=self.qsfa)[b]
+            s, e = _starts_ends(self.kw, self.B, _KV_CU[name], ends_only=self.qsfa)[b]
             return t[s:e]
         return t                                    # paged: the pool as it is
 
@@ -147,7 +147,7 @@ class Request:
         if self.lkv == "BSND":
             return batch_t[b], alone_t[0]
         if self.lkv == "TND":
-            s, e = _starts_ends(self.kw, self.B, "TND", _KV_CU[name], ends_only=self.qsfa)[b]
+            s, e = _starts_ends(self.kw, self.B, _KV_CU[name], ends_only=self.qsfa)[b]
             return batch_t[s:e], alone_t
         table = next(v for k, v in self.kw.items() if k.endswith("block_table") and
                      (name != "cmp_kv" or k.startswith("cmp")) and (name != "ori_kv" or not k.startswith("cmp")))

@@ -31,16 +31,16 @@ class Saved:
     valid: torch.Tensor    # [N_out] output row holds an entry
 
 
-def _rows_matmul(a: torch.Tensor, b: torch.Tensor):
-    """``a @ b.T`` in fp32 through the compiled kernel, whose rows do not depend on the other rows of
-    the call nor on the thread count (a request's projections are the same bits alone as in any
+def _rows_matmul(a: torch.Tensor, *bs: torch.Tensor):
+    """``[a @ b.T for b in bs]`` in fp32 through the compiled kernel, whose rows do not depend on the other
+    rows of the call nor on the thread count (a request's projections are the same bits alone as in any
     batch); None where it does not run (no compiled layer, not a CPU fp32 computation)."""
     if a.device.type != "cpu" or a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     module = native.kernels()
     if module is None:
         return None
-    return module.rows_matmul(a.contiguous(), b.contiguous())
+    return module.rows_matmul(a.contiguous(), [b.contiguous() for b in bs])
 
 
 def project(pb: CompressorProblem):
@@ -48,9 +48,9 @@ def project(pb: CompressorProblem):
     cd = pb.compute_dtype
     _, pos, _ = pb.x_row_info()
     if cd == torch.float32:
-        kv = _rows_matmul(pb.x_rows, pb.wkv)
-        if kv is not None:
-            return kv, _rows_matmul(pb.x_rows, pb.wgate) + pb.ape.to(cd)[pos % pb.r]
+        both = _rows_matmul(pb.x_rows, pb.wkv, pb.wgate)           # x packed once for both weights
+        if both is not None:
+            return both[0], both[1] + pb.ape.to(cd)[pos % pb.r]
     X = pb.x_rows.to(cd)
     kv = X @ pb.wkv.to(cd).T
     sc = torch.addmm(pb.ape.to(cd)[pos % pb.r], X, pb.wgate.to(cd).T)
@@ -208,7 +208,7 @@ def backward(pb: CompressorProblem, saved: Saved, grad: torch.Tensor):
     X = torch.where(used[:, None], pb.x_rows.to(cd), zero)    # padding rows may hold anything
     dx_kv = _rows_matmul(dkv_new, pb.wkv.to(cd).T) if cd == torch.float32 else None
     if dx_kv is not None:
-        dx = dx_kv + _rows_matmul(dsc_new, pb.wgate.to(cd).T)
+        dx = dx_kv[0] + _rows_matmul(dsc_new, pb.wgate.to(cd).T)[0]
     else:
         dx = dkv_new @ pb.wkv.to(cd) + dsc_new @ pb.wgate.to(cd)
     dx = dx.to(pb.x.dtype).reshape(pb.x.shape)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import use_triton
 from ..common import dispatch
 from ..common.dispatch import TakesEverything
 from . import fast
@@ -22,10 +21,10 @@ class Triton:
 
     @staticmethod
     def reasons(P: IndexerProblem) -> list[str]:
-        if not use_triton(P.q.device):
-            return [f"{P.q.device.type} tensors do not run Triton (DSATTN_BACKEND and the device decide)"]
-        from . import triton as kernels                   # imported only where Triton runs
-        return [] if kernels.supports(P) else ["the kernel does not cover this call (indexer.triton.supports)"]
+        def covers():
+            from . import triton as kernels               # imported only where Triton runs
+            return kernels.supports(P)
+        return dispatch.triton_reasons(P.q.device, covers, "indexer.triton.supports")
 
     @staticmethod
     def lightning_indexer(P: IndexerProblem, topk: int, offset):
@@ -40,17 +39,8 @@ class Compiled:
     def reasons(P: IndexerProblem) -> list[str]:
         if fast.native_indexer(P) is not None:
             return []
-        q, why = P.q, []
-        if q.device.type != "cpu":
-            why.append(f"not a CPU tensor ({q.device.type})")
-        if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            why.append(f"query dtype {q.dtype} (it takes bf16, fp16, fp32)")
-        if P.k.flat_rows() is None:
-            why.append("the keys are not one flat view (strided)")
-        if not why:
-            from .. import native
-            why.append(native.status())
-        return why
+        strided = "the keys are not one flat view (strided)" if P.k.flat_rows() is None else ""
+        return dispatch.compiled_reasons(P.q, (torch.bfloat16, torch.float16, torch.float32), strided)
 
     lightning_indexer = staticmethod(fast.lightning_indexer_native)
 

@@ -7,7 +7,8 @@ they all start from are :func:`dsattn.kv_quant_attn.problem.candidate_tokens`.
 """
 from __future__ import annotations
 
-from ..backend import use_triton
+import torch
+
 from ..common import dispatch
 from ..common.dispatch import TakesEverything
 from . import fast
@@ -19,10 +20,10 @@ class Triton:
 
     @staticmethod
     def reasons(P: QsfaProblem) -> list[str]:
-        if not use_triton(P.query.device):
-            return [f"{P.query.device.type} tensors do not run Triton (DSATTN_BACKEND and the device decide)"]
-        from . import triton as kernels                   # imported only where Triton runs
-        return [] if kernels.supports(P) else ["the kernel does not cover this call (kv_quant_attn.triton.supports)"]
+        def covers():
+            from . import triton as kernels               # imported only where Triton runs
+            return kernels.supports(P)
+        return dispatch.triton_reasons(P.query.device, covers, "kv_quant_attn.triton.supports")
 
     @staticmethod
     def forward(P: QsfaProblem, want_stats: bool):
@@ -37,13 +38,9 @@ class Compiled:
     def reasons(P: QsfaProblem) -> list[str]:
         if fast.compiled_tokens(P) is not None:
             return []
-        q = P.query
-        if q.device.type != "cpu":
-            return [f"not a CPU tensor ({q.device.type})"]
-        if q.dtype.itemsize != 2:
-            return [f"query dtype {q.dtype} (it takes bf16, fp16)"]
         from .. import native
-        return [native.status() if native.kernels() is None else "the packed rows are not one after another"]
+        rows = "the packed rows are not one after another" if native.kernels() is not None else ""
+        return dispatch.compiled_reasons(P.query, (torch.bfloat16, torch.float16), rows)
 
     forward = staticmethod(fast.forward_compiled)
 

@@ -137,6 +137,8 @@ def status() -> str:
     """One line: which path the native-capable pieces take."""
     if not requested():
         return "native: off (DSATTN_NATIVE=0): PyTorch / NumPy paths"
+    if _state.get("suspended"):
+        return "native: suspended (dsattn.native.suspended()): PyTorch / NumPy paths"
     module = load()
     if module is None:
         return f"native: unavailable ({_state.get('error')}): PyTorch / NumPy paths"

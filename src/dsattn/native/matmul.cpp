@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -55,14 +54,13 @@ thread_local Scratch packed_scratch, product_scratch;
 // rows.  K goes in chunks of KC in order (add_C after the first), so each element's sum over K runs in one
 // order whatever R, the panel a row falls in, or the thread count; then C^T is transposed into C.
 template <typename scalar_t, typename mm_t>
-void rows_matmul_impl(const at::Tensor& a, const at::Tensor& b, at::Tensor& c) {
+void rows_matmul_impl(const at::Tensor& a, const std::vector<at::Tensor>& bs, std::vector<at::Tensor>& cs) {
   constexpr bool packed = !std::is_same_v<mm_t, float>;
-  const int64_t R = a.size(0), K = a.size(1), N = b.size(0);
+  const int64_t R = a.size(0), K = a.size(1);
   const int64_t Kp = packed ? round_up(K, 2) : K, Rp = round_up(R, 16);
   const int64_t KC = packed ? 512 : 256;
   const scalar_t* ap = a.data_ptr<scalar_t>();
-  const scalar_t* bp = b.data_ptr<scalar_t>();
-  // A^T: 16-bit operands as pair panels [Kp/2][w][2] per panel of w <= PANEL columns (panel t0 at t0 * Kp),
+  // A^T, once for every B: 16-bit operands as pair panels [Kp/2][w][2] per panel of w <= PANEL columns (panel t0 at t0 * Kp),
   // fp32 as plain [K][Rp]; zero past R
   // (scratch without a fill: every element the GEMMs read is written below)
   mm_t* at_ = static_cast<mm_t*>(packed_scratch.get(Kp * Rp * sizeof(mm_t)));
@@ -94,8 +92,11 @@ void rows_matmul_impl(const at::Tensor& a, const at::Tensor& b, at::Tensor& c) {
       }
     }
   });
-  float* ct = static_cast<float*>(product_scratch.get(N * Rp * sizeof(float)));
   const bool rows_direct = std::is_same_v<scalar_t, mm_t> && K == Kp;
+  for (size_t which = 0; which < bs.size(); ++which) {
+  const int64_t N = bs[which].size(0);
+  const scalar_t* bp = bs[which].data_ptr<scalar_t>();
+  float* ct = static_cast<float*>(product_scratch.get(N * Rp * sizeof(float)));
   const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
   at::parallel_for(0, panels * blocks, 1, [&](int64_t u0, int64_t u1) {
     Buffer<mm_t> wrows(rows_direct ? 0 : ROW_BLOCK * KC, mm_t(0));
@@ -125,35 +126,46 @@ void rows_matmul_impl(const at::Tensor& a, const at::Tensor& b, at::Tensor& c) {
     }
     dsattn_native::gemm_release<mm_t>();
   });
-  float* cp = c.data_ptr<float>();
+  float* cp = cs[which].data_ptr<float>();
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t s0, int64_t s1) {   // C [R, N] from strips of 16 rows of C^T
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t n0 = s * 16, rows = std::min<int64_t>(16, N - n0);
       dsattn_native::transpose32(ct + n0 * Rp, Rp, rows, R, cp + n0, N);
     }
   });
+  }
   packed_scratch.trim();
   product_scratch.trim();
 }
 
 }  // namespace
 
-at::Tensor rows_matmul(const at::Tensor& a, const at::Tensor& b) {
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1), "a [R, K], b [N, K]: got ", a.sizes(), " and ",
-              b.sizes());
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "a, b: one dtype, got ", a.scalar_type(), " and ", b.scalar_type());
-  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && a.is_contiguous() && b.is_contiguous(),
-              "a, b: contiguous CPU tensors");
-  auto c = at::empty({a.size(0), b.size(0)}, a.options().dtype(at::kFloat));
-  if (c.numel() == 0) return c;
-  if (a.size(1) == 0) return c.zero_();
-  dsattn_native::dispatch_gemm(a.scalar_type(), [&](auto s, auto m) { rows_matmul_impl<decltype(s), decltype(m)>(a, b, c); });
-  return c;
+// A [R, K] times each B_i [N_i, K] transposed, fp32 [R, N_i] each; A is packed once for all of them.
+std::vector<at::Tensor> rows_matmul(const at::Tensor& a, const std::vector<at::Tensor>& bs) {
+  TORCH_CHECK(a.dim() == 2 && a.device().is_cpu() && a.is_contiguous(), "a: a contiguous CPU [R, K] tensor, got ",
+              a.sizes());
+  std::vector<at::Tensor> cs;
+  for (size_t i = 0; i < bs.size(); ++i) {
+    const auto& b = bs[i];
+    TORCH_CHECK(b.dim() == 2 && b.size(1) == a.size(1), "b[", i, "]: expected [N, K=", a.size(1), "], got ",
+                b.sizes());
+    TORCH_CHECK(b.scalar_type() == a.scalar_type(), "b[", i, "]: dtype ", b.scalar_type(), ", expected a's ",
+                a.scalar_type());
+    TORCH_CHECK(b.device().is_cpu() && b.is_contiguous(), "b[", i, "]: a contiguous CPU tensor");
+    cs.push_back(at::empty({a.size(0), b.size(0)}, a.options().dtype(at::kFloat)));
+  }
+  if (a.size(0) == 0 || bs.empty()) return cs;
+  if (a.size(1) == 0) {
+    for (auto& c : cs) c.zero_();
+    return cs;
+  }
+  dsattn_native::dispatch_gemm(a.scalar_type(), [&](auto s, auto m) { rows_matmul_impl<decltype(s), decltype(m)>(a, bs, cs); });
+  return cs;
 }
 
 #else  // !DSATTN_HAVE_BRGEMM
 
-at::Tensor rows_matmul(const at::Tensor&, const at::Tensor&) {
+std::vector<at::Tensor> rows_matmul(const at::Tensor&, const std::vector<at::Tensor>&) {
   TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled matmul is not available");
 }
 

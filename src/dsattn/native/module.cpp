@@ -38,7 +38,7 @@ std::vector<torch::Tensor> indexer_topk(const torch::Tensor& q, const torch::Ten
                                         const c10::optional<torch::Tensor>& offset);
 
 bool indexer_head_sums_match(int64_t H, int64_t n);
-at::Tensor rows_matmul(const at::Tensor& a, const at::Tensor& b);
+std::vector<at::Tensor> rows_matmul(const at::Tensor& a, const std::vector<at::Tensor>& bs);
 
 at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Tensor& state,
                            const at::Tensor& kind, const at::Tensor& new_at, const at::Tensor& state_at,
@@ -91,7 +91,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("indexer_head_sums_match", &indexer_head_sums_match,
         "test hook: the indexer's head sums in key-major and head-major layouts give the same bits");
   m.def("rows_matmul", &rows_matmul,
-        "a [R, K] b [N, K]^T in fp32, each row's result independent of the other rows and of the thread count");
+        "a [R, K] times each b [N, K] transposed, fp32; each row's result independent of the other rows and of the "
+        "thread count; a is packed once for every b");
   m.def("compressor_pool", &compressor_pool, "the compressor's gated softmax pooling of output rows over their slots");
   m.def("plan_coverage", &plan_coverage,
         "a plan table read for a call: row geometry, whole rows, partial pieces, FD entries, first violated invariant");

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import use_triton
 from ..common import dispatch
 from ..common.dispatch import TakesEverything
 from ..common.softmax import uses_flash
@@ -24,13 +23,11 @@ class Triton:
 
     @staticmethod
     def reasons(P: MlaProblem, grad: bool = False) -> list[str]:
-        if not use_triton(P.q.device):
-            return [f"{P.q.device.type} tensors do not run Triton (DSATTN_BACKEND and the device decide)"]
-        from . import triton as kernels                   # imported only where Triton runs
-        if not (kernels.backward_supports(P) if grad else kernels.supports(P)):
-            return ["the kernel does not cover this call (dtype, head dim, packed rows or strides: "
-                    f"sparse_mla.triton.{'backward_supports' if grad else 'supports'})"]
-        return []
+        def covers():
+            from . import triton as kernels               # imported only where Triton runs
+            return kernels.backward_supports(P) if grad else kernels.supports(P)
+        return dispatch.triton_reasons(P.q.device, covers, "dtype, head dim, packed rows or strides: sparse_mla.triton."
+                                       + ("backward_supports" if grad else "supports"))
 
     @staticmethod
     def forward(P: MlaProblem, want_lse: bool):
@@ -53,17 +50,9 @@ class Compiled:
             if grad and not all(isinstance(f, torch.Tensor) for f in native[1]):
                 return ["the gradient reads plain key rows in place only (packed or strided caches here)"]
             return []
-        q, why = P.q, []
-        if q.device.type != "cpu":
-            why.append(f"not a CPU tensor ({q.device.type})")
-        if q.dtype not in fast.NATIVE_DTYPES:
-            why.append(f"query dtype {q.dtype} (it takes bf16, fp16, fp32)")
-        if uses_flash(q.dtype, q.device):
-            why.append("the flash rounding opt-in is on (dsattn.set_flash_attention)")
-        if not why:
-            from .. import native as native_layer
-            why.append(native_layer.status())
-        return why
+        flash = uses_flash(P.q.dtype, P.q.device)
+        return dispatch.compiled_reasons(P.q, fast.NATIVE_DTYPES,
+                                         "the flash rounding opt-in is on (dsattn.set_flash_attention)" if flash else "")
 
     @staticmethod
     def forward(P: MlaProblem, want_lse: bool):
