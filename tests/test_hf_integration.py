@@ -217,6 +217,8 @@ def test_a_padded_cache_serves_its_batch_only():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         with pytest.raises(ValueError, match="^cache: it serves a padded batch of 2 rows, got a batch of 1"):
             model(ids[:1], attention_mask=mask[:1], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match=r"^attention_mask: expected \[batch=2, >= 20 tokens\]"):
+            model(ids, attention_mask=mask[:, :5], use_cache=False)
         used = DynamicCache(config=model.config)
         model(ids[:, -4:], past_key_values=used, use_cache=True)
         with pytest.raises(ValueError, match="^cache: it holds an unpadded batch"):

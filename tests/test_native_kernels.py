@@ -487,3 +487,22 @@ def test_rows_matmul_rejects_operands_that_do_not_fit(native_module):
         native_module.rows_matmul(a, [torch.randn(4, 8).bfloat16()])
     with pytest.raises(RuntimeError, match=r"b\[0\]: a contiguous CPU tensor"):
         native_module.rows_matmul(a, [torch.randn(8, 4).T])
+
+
+def test_backward_groups_and_gradient_buffers_are_checked(native_module):
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    q = torch.randn(2, 16, 32).bfloat16()
+    src = torch.randn(10, 32).bfloat16()
+    rows = torch.tensor([[0, 1, -1], [2, 3, 4]])
+    out, lse = native_module.sparse_attention_forward(q, [src], [rows], None, 0.2)
+    args = (q, torch.randn_like(q), out, lse, [src], [rows], None, 0.2)
+    with pytest.raises(RuntimeError, match=r"groups: expected a contiguous CPU int64 \[2\] tensor"):
+        native_module.sparse_attention_backward(*args, groups=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match=r"dsources\[0\]: expected a contiguous CPU fp32 \[10, 32\] tensor"):
+        native_module.sparse_attention_backward(*args, dsources=[torch.zeros(9, 32)])
+    # into given buffers: the key gradients are added there, the same as into fresh zeros
+    fresh = native_module.sparse_attention_backward(*args)[1]
+    into = torch.ones(10, 32)
+    native_module.sparse_attention_backward(*args, groups=torch.tensor([0, 0]), dsources=[into])
+    assert torch.equal(into - 1, (fresh + 1) - 1)
