@@ -202,17 +202,28 @@ def test_packed_operator_decodes_in_the_kernel(payload, monkeypatch):
         pytest.skip(f"no compiled layer here: {native.status()}")
     from dsattn import cases, ops, reference
     seen = []
-    real = module.sparse_attention_forward
+    real, real_step = module.sparse_attention_forward, module.sharedkv_paged
 
     def spy(*args, **kwargs):
-        seen.append((kwargs.get("formats"), [s.dtype for s in args[1]]))
+        seen.append((kwargs.get("formats"), {s.dtype for s in args[1]}))
         return real(*args, **kwargs)
+
+    def spy_step(*args):                       # the one-step path: the caches as they lie, their formats
+        taken = real_step(*args)
+        if taken:
+            seen.append((args[-1], {args[2].dtype, args[3].dtype}))
+        return taken
     monkeypatch.setattr(module, "sparse_attention_forward", spy)
-    c = cases.packed_sharedkv_case("TND", 4, torch.bfloat16, payload=payload, seed=int(torch.randint(0, 2**31 - 1, ())))
-    out, _ = ops.sparse_attn_sharedkv_packed(c.q, **c.kwargs)
-    want, _ = reference.sparse_attn_sharedkv_packed(c.q, **c.kwargs)
-    assert seen and all(f and all(len(x) == 14 for x in f) and set(d) == {torch.uint8} for f, d in seen), seen
-    assert testing.compare(out, want)
+    monkeypatch.setattr(module, "sharedkv_paged", spy_step)
+    for layout_kv in ("PA_ND", "TND"):              # the one-step path, then the Python path
+        seen.clear()
+        c = cases.packed_sharedkv_case("TND", 4, torch.bfloat16, payload=payload, paged=layout_kv == "PA_ND",
+                                       seed=int(torch.randint(0, 2**31 - 1, ())))
+        out, _ = ops.sparse_attn_sharedkv_packed(c.q, **c.kwargs)
+        want, _ = reference.sparse_attn_sharedkv_packed(c.q, **c.kwargs)
+        dtypes = {torch.uint8} if layout_kv == "TND" else {c.kwargs["ori_kv"].dtype}
+        assert seen and all(f and all(len(x) == 14 for x in f) and d == dtypes for f, d in seen), seen
+        assert testing.compare(out, want)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))

@@ -262,6 +262,18 @@ class KVSource:
             rows = self.tensor[i1, 0] if self.layout == "TND" else self.tensor[i0, i1, 0]
         return rows if self.decode is None else self.decode(rows)
 
+    def key_map(self) -> tuple[int, torch.Tensor, int, int]:
+        """``(kind, map, page, num_blocks)``: how the compiled key tables (dsattn/native/paged.cpp) number
+        key ``x`` of batch ``b`` in :meth:`flat_rows` -- row ``b * page + x`` (BSND, kind 0), ``map[b] + x``
+        (TND, kind 1: the segment starts) or ``map[b, x // page] * page + x % page`` (paged, kind 2: the
+        block table, whose entries must be in ``[0, num_blocks)``)."""
+        t = self.tensor
+        if self.layout == "BSND":
+            return 0, t.new_empty((0,), dtype=torch.int64), max(t.size(1), 1), 0
+        if self.layout == "TND":
+            return 1, self.cu.contiguous(), 1, 0
+        return 2, self.block_table.contiguous(), t.size(1), t.size(0)
+
     def flat_rows(self) -> torch.Tensor | None:
         """The tensor's key rows as one ``[rows, D]`` view (no copy), or None where rows are packed
         (decoded as they are read) or not laid out one after another."""

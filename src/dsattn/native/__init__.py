@@ -24,8 +24,8 @@ import contextlib
 import os
 import warnings
 
-_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp", "matmul.cpp")
-_HEADERS = ("common.h", "gemm.h")
+_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp", "matmul.cpp", "sharedkv.cpp")
+_HEADERS = ("attention.h", "common.h", "gemm.h", "keys.h")
 _state: dict = {}
 
 

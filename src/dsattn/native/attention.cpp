@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 
+#include "attention.h"
 #include "common.h"
 
 #include <algorithm>

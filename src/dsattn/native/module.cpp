@@ -1,7 +1,9 @@
 // Python bindings of the compiled kernel layer (dsattn/native/__init__.py builds and loads it).
 #include <torch/extension.h>
 
+#include "attention.h"
 #include "common.h"
+#include "keys.h"
 
 torch::Tensor plan_table(int64_t num_heads_q, c10::optional<torch::Tensor> seqused_q,
                          c10::optional<torch::Tensor> cu_seqlens_q, c10::optional<torch::Tensor> seqused_kv,
@@ -12,14 +14,6 @@ torch::Tensor plan_table(int64_t num_heads_q, c10::optional<torch::Tensor> sequs
 torch::Tensor plan_lengths(int64_t num_heads_q, std::vector<int64_t> S1, std::vector<int64_t> S2, bool has_cmp,
                            int64_t cmp_topk, int64_t cmp_ratio, int64_t ori_mask_mode, int64_t ori_win_left,
                            int64_t aic, int64_t aiv, bool support_fd);
-std::vector<torch::Tensor> sparse_attention_forward(const torch::Tensor& q, const std::vector<torch::Tensor>& sources,
-                                                    const std::vector<torch::Tensor>& rows,
-                                                    const c10::optional<torch::Tensor>& sinks, double scale,
-                                                    const c10::optional<torch::Tensor>& out_into,
-                                                    const c10::optional<torch::Tensor>& lse_into, bool sink_in_lse,
-                                                    const c10::optional<torch::Tensor>& max_into,
-                                                    const std::vector<std::vector<int64_t>>& format_fields,
-                                                    const c10::optional<torch::Tensor>& stats_into);
 std::vector<torch::Tensor> sparse_attention_backward(const torch::Tensor& q, const torch::Tensor& dout,
                                                      const torch::Tensor& out, const torch::Tensor& lse,
                                                      const std::vector<torch::Tensor>& sources,
@@ -51,7 +45,6 @@ std::tuple<std::vector<torch::Tensor>, std::string> plan_coverage(
 std::tuple<at::Tensor, std::vector<int64_t>> paged_rows(const at::Tensor& table, const at::Tensor& batch,
                                                         const at::Tensor& x, const at::Tensor& mask,
                                                         int64_t block_size, int64_t num_blocks);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dsattn's compiled kernel layer";
   m.def("plan_table", &plan_table, "the metadata plan table (spec 50) from CPU int32 length mirrors");
@@ -97,5 +90,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan_coverage", &plan_coverage,
         "a plan table read for a call: row geometry, whole rows, partial pieces, FD entries, first violated invariant");
   m.def("paged_rows", &paged_rows, "flat rows of logical keys in a paged cache (-1 where masked out)");
+  m.def("sharedkv_paged", &sharedkv_paged,
+        "a decode-sized sparse_attn_sharedkv call over paged caches in one step; False: declined, nothing written");
+  m.def("key_tables", &key_tables, "flat key rows of query rows (ori window, compressed entries): keys() + rows_index",
+        py::arg("t0"), py::arg("t1"), py::arg("batch"), py::arg("local"), py::arg("used"), py::arg("extent"),
+        py::arg("ori_lengths"), py::arg("ori_kind"), py::arg("ori_map"), py::arg("ori_page"), py::arg("ori_blocks"),
+        py::arg("ori_width"), py::arg("ori_mask_mode"), py::arg("win_left"), py::arg("win_right"), py::arg("positional"),
+        py::arg("cmp_lengths") = py::none(), py::arg("cmp_bound") = py::none(), py::arg("cmp_kind") = 0,
+        py::arg("cmp_map") = py::none(), py::arg("cmp_page") = 1, py::arg("cmp_blocks") = 0, py::arg("cmp_width") = 0,
+        py::arg("cmp_mask_mode") = 0, py::arg("ratio") = 1, py::arg("cmp_indices") = py::none(),
+        py::arg("walk_cap") = py::none());
   m.def("plan_lengths", &plan_lengths, "the metadata plan table for explicit per-batch lengths");
 }

@@ -113,18 +113,33 @@ def _forward_native(P: MlaProblem, module, flat, out, lse) -> None:
     R = qf.size(0)
     step = _native_block_rows(P, R)
     sinks = None if P.sinks is None else P.sinks.float()
+    formats = _formats(flat)
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
-        native_rows(P, module, flat, qf, native_keys(P, flat, t0, t1), t0, t1, sinks, out[t0:t1], lse[t0:t1])
+        module.sparse_attention_forward(qf[t0:t1].contiguous(), *_native_tables(P, module, flat, t0, t1), sinks, P.scale,
+                                        out=out[t0:t1], lse=lse[t0:t1], formats=formats)
+
+
+def _formats(flat) -> list:
+    """The compiled kernels' ``formats`` argument: each packed source's fields, [] when none is packed."""
+    formats = [f.fields() if isinstance(f, PackedTokens) else [] for f in flat]
+    return formats if any(formats) else []
+
+
+def _native_tables(P: MlaProblem, module, flat, t0: int, t1: int) -> tuple[list, list]:
+    """(key row sources, index tables) of rows ``[t0, t1)``: where every source is read in place, the
+    tables come from one compiled call (:meth:`MlaProblem.key_tables`), else from :meth:`MlaProblem.keys`."""
+    if any(f is None for f in flat):
+        return _native_keys(P, flat, native_keys(P, flat, t0, t1))
+    return [f.data if isinstance(f, PackedTokens) else f for f in flat], P.key_tables(module, t0, t1)
 
 
 def native_rows(P: MlaProblem, module, flat, qf, k, t0: int, t1: int, sinks, out=None, lse=None):
     """``(out [r, H, D] query dtype, lse [r, H] fp32)`` of flattened rows ``[t0, t1)`` over their keys
     ``k`` (:meth:`MlaProblem.keys`) through the compiled kernel; ``sinks`` fp32 or None.  Written
     into ``out`` / ``lse`` when given (contiguous: rows of the op's outputs)."""
-    formats = [f.fields() if isinstance(f, PackedTokens) else [] for f in flat]
     return module.sparse_attention_forward(qf[t0:t1].contiguous(), *_native_keys(P, flat, k), sinks, P.scale,
-                                           out=out, lse=lse, formats=formats if any(formats) else [])
+                                           out=out, lse=lse, formats=_formats(flat))
 
 
 def _native_keys(P: MlaProblem, flat, k) -> tuple[list, list]:

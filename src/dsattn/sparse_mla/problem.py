@@ -116,6 +116,29 @@ class MlaProblem:
         caddr = self.cmp.locate(b[:, None], cx, cm, check=self.content) if addresses else None
         return RowKeys(valid, ox, om, oaddr, cx, cm, caddr, b[:, None])
 
+    def key_tables(self, module, t0: int, t1: int) -> list[torch.Tensor]:
+        """The keys :meth:`keys` selects for rows ``[t0, t1)`` as row numbers of each source's
+        :meth:`KVSource.flat_rows` (ori ``[r, Wo]``, then cmp ``[r, Wc]``; -1 = no key), from one call
+        of the compiled layer ``module`` (CPU tensors): the same numbers and the same block-table
+        errors as :meth:`keys` followed by :meth:`KVSource.rows_index` per source."""
+        rows, ori, cmp = self.rows, self.ori, self.cmp
+        kind, table, page, blocks = ori.key_map()
+        extra = {}
+        if cmp is not None:
+            c_kind, c_table, c_page, c_blocks = cmp.key_map()
+            extra = dict(cmp_lengths=cmp.lengths.contiguous(), cmp_bound=self.Lc.contiguous(), cmp_kind=c_kind,
+                         cmp_map=c_table, cmp_page=c_page, cmp_blocks=c_blocks, cmp_width=self.cmp_width,
+                         cmp_mask_mode=self.cm, ratio=self.r, cmp_indices=self.cmp_idx,
+                         walk_cap=None if self.cmp_len is None else self.cmp_len.contiguous())
+        tables, bad = module.key_tables(t0, t1, rows.batch, rows.local, rows.used, rows.extent.contiguous(),
+                                        ori.lengths.contiguous(), kind, table, page, blocks, self.ori_width, self.om,
+                                        self.wl, self.wr, self.positional, **extra)
+        if self.content:
+            for src, first in zip((ori, cmp), bad):
+                if first:
+                    src._table_error(*first)
+        return tables if cmp is not None else tables[:1]
+
     def gather(self, k: RowKeys, dtype: torch.dtype) -> torch.Tensor:
         """Key rows ``[R, W, D]`` in ``dtype``; rows of masked slots are exactly zero (whatever
         the cache holds there, NaN included)."""
