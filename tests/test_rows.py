@@ -159,8 +159,12 @@ def test_packed_tokens_decoded_as_read(impl, fmt, gen, monkeypatch):
                                     want_max=True)
     want, want_lse, want_mx = math_reference(q, [decoded, plain], [t1, t2], 0.1, sinks, False)
     assert not out.isnan().any()
-    assert testing.flashmla_close(out, want.to(torch.bfloat16).double(), abs_tol=1e-3, rel_tol=2.01 / 128,
-                                  max_cos_diff=None)
+    # P is rounded to bf16 before P.V (the golden's rounding point) and the math reference is exact: an
+    # output may differ by up to 2^-9 of sum_j p_j |v_j| / l <= 2^-9 max |v| (beside its own rounding),
+    # which cancelling terms make several of its ulps
+    read = torch.cat([decoded[t1[t1 >= 0]].float(), plain.float()])
+    assert testing.flashmla_close(out, want.to(torch.bfloat16).double(), abs_tol=2.0**-8 * float(read.abs().max()),
+                                  rel_tol=2.01 / 128, max_cos_diff=None)
     assert testing.fp32_math_close(lse, want_lse) and testing.fp32_math_close(mx, want_mx)
     # decoding as read gives the very keys the golden decodes: bit-identical to the same kernel over them
     same, same_lse, _, _ = rows.attend_rows(q, [decoded, plain], [t1, t2], scale=0.1, sinks=sinks, sink_in_lse=False)
