@@ -351,3 +351,72 @@ def test_fp8_cache_descriptors_follow_the_tensor_object():
     del cache, part, first
     gc.collect()
     assert key not in fm._TOKENS
+
+
+INF = float("inf")
+
+
+def _decode_both_ways(monkeypatch, fmt, g):
+    """One sparse decode call (main + extra cache, topk_length with a 0, sinks with +-inf, -1 slots, a
+    query without any key) through the compiled step and through the Python path."""
+    b, s_q, h, bs = 3, 2, 8, 16
+    d = 576 if fmt == "V3.2" else 512
+    layout = {"V3.2": F.V32, "V4": F.V4}.get(fmt)
+    dtype = torch.float32 if fmt == "fp32" else BF16
+    cache, _ = _pool(30, bs, d, dtype, g, layout)
+    extra, _ = _pool(8, 64, d, dtype, g, layout)
+    idx = torch.randint(0, 30 * bs, (b, s_q, 64), generator=g, dtype=torch.int32)
+    eidx = torch.randint(0, 8 * 64, (b, s_q, 48), generator=g, dtype=torch.int32)
+    idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    idx[1, 0], eidx[1, 0] = -1, -1                                             # a query without a key
+    sink = torch.randn(h, generator=g)
+    sink[0], sink[1] = INF, -INF
+    q = (torch.randn(b, s_q, h, d, generator=g) * 0.5).to(dtype)
+    kw = dict(is_fp8_kvcache=layout is not None, indices=idx, attn_sink=sink, extra_k_cache=extra,
+              extra_indices_in_kvcache=eidx, topk_length=torch.tensor([64, 30, 0], dtype=torch.int32),
+              extra_topk_length=torch.tensor([48, 0, 20], dtype=torch.int32))
+    meta, _ = flashmla.get_mla_metadata()
+    step = flashmla.flash_mla_with_kvcache(q, cache, None, None, 512, meta, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(flashmla, "_compiled_decode", lambda *a: None)
+        python = flashmla.flash_mla_with_kvcache(q, cache, None, None, 512, meta, **kw)
+    return step, python, (q, cache, meta, kw)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp32", "V4", "V3.2"])
+def test_compiled_decode_step_gives_the_python_paths_bits(fmt, monkeypatch):
+    """flash_mla_with_kvcache's one-step compiled decode (dsattn/native/flashmla.cpp) and the Python path
+    (checks, tables, attend_rows) give the same bits: outputs, LSE (+inf for a query without a key)."""
+    from dsattn import native
+    if native.kernels() is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    taken = []
+    real = native.kernels().flashmla_sparse
+    monkeypatch.setattr(native.kernels(), "flashmla_sparse", lambda *a: taken.append(real(*a)) or taken[-1])
+    (out, lse), (want, want_lse), _ = _decode_both_ways(monkeypatch, fmt, torch.Generator().manual_seed(_seed()))
+    assert taken == [True]
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)) and torch.equal(lse, want_lse)
+    assert bool((lse[1, :, 0] == INF).all())
+
+
+@pytest.mark.parametrize("what", ["index past the pool", "index -2", "negative length"])
+def test_compiled_decode_step_declines_bad_lists(what, monkeypatch):
+    """A list value the checks refuse: the step declines (nothing written) and the Python path raises."""
+    from dsattn import native
+    if native.kernels() is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    _, _, (q, cache, meta, kw) = _decode_both_ways(monkeypatch, "V4", torch.Generator().manual_seed(_seed()))
+    kw = dict(kw)
+    if what.startswith("index"):
+        kw["indices"] = kw["indices"].clone()
+        kw["indices"][0, 0, 3] = 10**6 if what == "index past the pool" else -2
+        name = "indices"
+    else:
+        kw["topk_length"] = torch.tensor([64, -1, 0], dtype=torch.int32)
+        name = "topk_length"
+    taken = []
+    real = native.kernels().flashmla_sparse
+    monkeypatch.setattr(native.kernels(), "flashmla_sparse", lambda *a: taken.append(real(*a)) or taken[-1])
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        flashmla.flash_mla_with_kvcache(q, cache, None, None, 512, meta, **kw)
+    assert taken in ([False], [])

@@ -40,7 +40,8 @@ from . import ops
 from .common.checks import check_tensor, content_checks_enabled, fail, host_ints
 from .quant.flashmla import layout_of
 from .quant.tokens import PackedTokens
-from .sparse_mla.rows import attend_rows
+from . import native
+from .sparse_mla.rows import Compiled, attend_rows, flat_rows
 
 __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd"]
 
@@ -80,20 +81,20 @@ def _lse_fill_empty(lse: torch.Tensor, has_key: torch.Tensor) -> torch.Tensor:
     return torch.where(has_key, lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
 
 
-def _check_flat_indices(name: str, idx: torch.Tensor, lead: tuple, pool: int) -> None:
+def _check_flat_indices(name: str, idx: torch.Tensor, lead: tuple, pool: int, content: bool = True) -> None:
     check_tensor(name, idx)
     if idx.dtype != torch.int32:
         fail(name, f"dtype {idx.dtype} is not supported; expected torch.int32", TypeError)
     if tuple(idx.shape[:-1]) != lead:
         fail(name, f"expected shape {list(lead) + ['topk']}, got {tuple(idx.shape)}")
-    if content_checks_enabled(idx) and idx.numel():
+    if content and content_checks_enabled(idx) and idx.numel():
         lo, hi = (int(v) for v in torch.aminmax(idx))
         if lo < -1 or hi >= pool:
             bad = lo if lo < -1 else hi
             fail(name, f"value {bad} is neither -1 nor a token of the cache's {pool} (num_blocks x page_block_size)")
 
 
-def _check_lengths(name: str, t: torch.Tensor | None, shape: tuple, K: int) -> None:
+def _check_lengths(name: str, t: torch.Tensor | None, shape: tuple, K: int, content: bool = True) -> None:
     if t is None:
         return
     check_tensor(name, t)
@@ -101,15 +102,15 @@ def _check_lengths(name: str, t: torch.Tensor | None, shape: tuple, K: int) -> N
         fail(name, f"dtype {t.dtype} is not supported; expected torch.int32", TypeError)
     if tuple(t.shape) != shape:
         fail(name, f"expected shape {list(shape)}, got {tuple(t.shape)}")
-    if content_checks_enabled(t) and t.numel():
+    if content and content_checks_enabled(t) and t.numel():
         v = host_ints(t)
         if min(v) < 0:
             fail(name, f"value {min(v)} is negative")
 
 
 class _Scope:
-    """One KV cache and its index lists (main or extra), checked; :meth:`source` and :meth:`table` are
-    what the kernels read."""
+    """One KV cache and its index lists (main or extra), their shapes and dtypes checked (the lists'
+    values by :meth:`check_content`); :meth:`source` and :meth:`table` are what the kernels read."""
 
     def __init__(self, name: str, cache: torch.Tensor, indices: torch.Tensor, lengths, fp8: bool, d: int,
                  b: int, s_q: int):
@@ -129,20 +130,27 @@ class _Scope:
                      TypeError)
             if cache.size(-1) != d:
                 fail(name, f"head_dim {cache.size(-1)} does not match q's {d}")
-        idx_name = "indices" if not prefix else "extra_indices_in_kvcache"
-        _check_flat_indices(idx_name, indices, (b, s_q), cache.size(0) * cache.size(1))
-        _check_lengths(f"{prefix}topk_length", lengths, (b,), indices.size(-1))
+        self.idx_name, self.len_name = "indices" if not prefix else "extra_indices_in_kvcache", f"{prefix}topk_length"
+        self.pool, self.b, self.s_q = cache.size(0) * cache.size(1), b, s_q
+        self.indices, self.lengths = indices, lengths
+        _check_flat_indices(self.idx_name, indices, (b, s_q), self.pool, content=False)
+        _check_lengths(self.len_name, lengths, (b,), indices.size(-1), content=False)
         self.idx = indices.reshape(b * s_q, -1)
-        self.len = None if lengths is None else lengths.repeat_interleave(s_q)
         self.K = self.idx.size(-1)
+
+    def check_content(self) -> None:
+        """The lists' values: -1 or a token of the cache; lengths in [0, topk]."""
+        _check_flat_indices(self.idx_name, self.indices, (self.b, self.s_q), self.pool)
+        _check_lengths(self.len_name, self.lengths, (self.b,), self.K)
 
     def table(self) -> torch.Tensor:
         """Flat pool indices ``[b·s_q, K]`` int64, -1 at every invalid slot (-1 listed, or at / past
         ``topk_length``)."""
         idx = self.idx.to(torch.int64)
-        if self.len is None:                       # -1 is the only invalid value the checks let through
+        if self.lengths is None:                   # -1 is the only invalid value the checks let through
             return idx
-        valid = (idx >= 0) & (torch.arange(self.K, device=idx.device)[None] < self.len[:, None])
+        cap = self.lengths.repeat_interleave(self.s_q)
+        valid = (idx >= 0) & (torch.arange(self.K, device=idx.device)[None] < cap[:, None])
         return torch.where(valid, idx, torch.full((), -1, dtype=torch.int64, device=idx.device))
 
     def source(self):
@@ -178,8 +186,38 @@ def _attend(q, parts, scale, sinks):
 
 def _sparse_decode(q, scopes, head_dim_v, scale, attn_sink):
     b, s_q, h, d = q.shape
-    out, lse, _ = _attend(q.reshape(b * s_q, h, d), [(sc.source(), sc.table()) for sc in scopes], scale, attn_sink)
+    qr = q.reshape(b * s_q, h, d)
+    res = _compiled_decode(qr, scopes, scale, attn_sink)
+    if res is None:
+        for sc in scopes:
+            sc.check_content()
+        res = _attend(qr, [(sc.source(), sc.table()) for sc in scopes], scale, attn_sink)[:2]
+    out, lse = res
     return out[..., :head_dim_v].reshape(b, s_q, h, head_dim_v), lse.view(b, s_q, h).transpose(1, 2)
+
+
+def _compiled_decode(q, scopes, scale, sinks):
+    """``(out, lse)`` of a decode through one compiled step (dsattn/native/flashmla.cpp: the lists'
+    content checks, their tables and the attention), where the compiled attention takes the call and
+    every source is read in place; None, before anything is written, otherwise or when a list value is
+    off (the Python path then checks and raises)."""
+    if q.size(0) == 0 or not content_checks_enabled(q):
+        return None
+    sources = [sc.source() for sc in scopes]
+    if Compiled.reasons(q, sources, False):
+        return None
+    rows = [s.data if isinstance(s, PackedTokens) else flat_rows(s) for s in sources]
+    if any(r is None for r in rows):
+        return None
+    formats = [s.fields() if isinstance(s, PackedTokens) else [] for s in sources]
+    empty = q.new_empty((0,), dtype=torch.int32)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    taken = native.kernels().flashmla_sparse(
+        out, lse, q, rows, formats if any(formats) else [], [sc.idx for sc in scopes],
+        [empty if sc.lengths is None else sc.lengths for sc in scopes], [sc.pool for sc in scopes], scopes[0].s_q,
+        sinks, scale)
+    return (out, lse) if taken else None
 
 
 def _dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, scale, causal, fp8):

@@ -141,7 +141,8 @@ struct KeySelection {
 
 }  // namespace dsattn_native
 
-// The bound entries built on it: paged.cpp (key_tables) and sharedkv.cpp (sharedkv_paged).
+// The bound entries built on it or beside it: paged.cpp (key_tables), sharedkv.cpp (sharedkv_paged) and
+// flashmla.cpp (flashmla_sparse).
 std::tuple<std::vector<at::Tensor>, std::vector<std::vector<int64_t>>> key_tables(
     int64_t t0, int64_t t1, const at::Tensor& batch, const at::Tensor& local, const at::Tensor& used,
     const at::Tensor& extent, const at::Tensor& ori_lengths, int64_t ori_kind, const at::Tensor& ori_map,
@@ -158,3 +159,8 @@ bool sharedkv_paged(at::Tensor out, const at::Tensor& q, const at::Tensor& ori_k
                     const c10::optional<at::Tensor>& cmp_topk_length, const c10::optional<at::Tensor>& sinks,
                     double scale, int64_t ratio, int64_t ori_mask_mode, int64_t cmp_mask_mode, int64_t win_left,
                     int64_t win_right, bool tnd, const std::vector<std::vector<int64_t>>& formats);
+
+bool flashmla_sparse(at::Tensor out, at::Tensor lse, const at::Tensor& q, const std::vector<at::Tensor>& sources,
+                     const std::vector<std::vector<int64_t>>& formats, const std::vector<at::Tensor>& indices,
+                     const std::vector<at::Tensor>& lengths, const std::vector<int64_t>& tokens, int64_t s_q,
+                     const c10::optional<at::Tensor>& sinks, double scale);
