@@ -11,7 +11,10 @@ The same queries, sinks and FP8 payload go to
 * vLLM: ``torch.ops._C.flash_mla_with_kvcache_cpu`` over FlashMLA's V4 FP8 cache (584 B / token),
 * dsattn ``flash_mla_with_kvcache`` (FlashMLA's API) over the very same cache bytes,
 * dsattn ``sparse_attn_sharedkv_packed`` over dsattn's packed rows holding the same payload (604 B),
-* dsattn ``sparse_attn_sharedkv`` over the bf16 caches the payload was quantised from.
+* dsattn ``sparse_attn_sharedkv`` over the bf16 caches the payload was quantised from;
+
+and the indexer of the same step: vLLM's FP8 ``fp8_paged_mqa_logits_cpu`` + ``topk_transform_512_cpu``
+against dsattn's bf16 ``lightning_indexer`` on the same keys (:func:`indexer_one`).
 
 Times are the median of ``--calls`` calls (ms); ratios are dsattn / vLLM (below 1: dsattn is faster);
 dsattn's FP8 outputs are compared with vLLM's (max |diff| over max |out|: bf16 rounding, about 3e-3,
@@ -90,6 +93,50 @@ def one(ratio: int, B: int, ctx: int, calls: int):
     return rows, agree
 
 
+def indexer_one(B: int, ctx: int, calls: int):
+    """The DeepSeek-V4 indexer of a CSA decode step (64 heads x 128, top-512 of ctx / 4 compressed keys, 64-token
+    blocks): vLLM's ``fp8_paged_mqa_logits_cpu`` + ``topk_transform_512_cpu`` over its FP8 cache (per block: the
+    tokens' e4m3 values, then their fp32 scales; q in e4m3, its scale folded into the weights) against dsattn's
+    ``lightning_indexer`` over a bf16 paged cache of the same keys (the FP8 values times their scales, rounded to
+    bf16; the e4m3 queries are exact in bf16).  Returns (vLLM ms, dsattn ms, overlap of the two top-512 sets)."""
+    from dsattn import ops
+    from dsattn.benchmarks.harness import timeit
+    g = torch.Generator().manual_seed(7)
+    H, D, bs, topk = 64, 128, 64, 512
+    Kc = ctx // 4
+    per = -(-Kc // bs)
+    nb = B * per
+    k = torch.randn(nb * bs, D, generator=g)
+    scale = k.abs().amax(-1).clamp(min=1e-4) / 448.0
+    k8 = (k / scale[:, None]).to(torch.float8_e4m3fn)
+    cache = torch.cat([k8.view(torch.uint8).view(nb, bs * D),
+                       scale.view(nb, bs).contiguous().view(torch.uint8).view(nb, bs * 4)], 1).contiguous()
+    q8 = torch.randn(B, H, D, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(B, H, generator=g) * 0.01
+    table = torch.randperm(nb, generator=g).view(B, per).to(torch.int32)
+    lens = torch.full((B,), Kc, dtype=torch.int32)
+    out_pages = torch.empty(B, topk, dtype=torch.int32)
+    out_raw = torch.empty(B, topk, dtype=torch.int32)
+
+    def vllm():
+        logits = torch.ops._C.fp8_paged_mqa_logits_cpu(q8, cache, w, lens, table, bs, Kc)
+        torch.ops._C.topk_transform_512_cpu(logits, lens, table, out_pages, bs, out_raw)
+        return out_raw
+
+    kb = (k8.float() * scale[:, None]).bfloat16().view(nb, bs, 1, D)
+    qb = q8.to(torch.bfloat16).view(B, 1, H, D)
+    wb = w.view(B, 1, H)
+
+    def ours():
+        return ops.lightning_indexer(qb, kb, wb, topk, seqused_k=lens, block_table=table, layout_k="PA_BBND")[0]
+
+    t_vllm = timeit(vllm, repeat=calls, warmup=2) * 1e3
+    t_ours = timeit(ours, repeat=calls, warmup=2) * 1e3
+    a, b = vllm().long(), ours().view(B, topk).long()
+    same = sum(len(set(a[i].tolist()) & set(b[i].tolist())) for i in range(B)) / (B * topk)
+    return t_vllm, t_ours, same
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=8)
@@ -117,6 +164,14 @@ def main(argv=None) -> int:
         diff = max(d for _, _, d in rows[1:3])               # the FP8 paths (bf16 holds unquantised keys)
         print(f"| {'CSA' if ratio == 4 else 'HCA'} | {B} | {ctx // 1024}K | " + " | ".join(cells)
               + f" | {diff:.1e}{'' if agree else ' (dsattn FP8 paths disagree!)'} |")
+        sys.stdout.flush()
+    print()
+    print("| indexer (CSA decode, top-512 of ctx / 4) | B | ctx | vLLM fp8_paged_mqa_logits + topk_transform_512 ms "
+          "| dsattn lightning_indexer ms (x vLLM) | top-512 sets shared |")
+    print("|---|---|---|---|---|---|")
+    for B, ctx in ([(1, 8192), (8, 8192)] if args.quick else [(B, ctx) for B in (1, 8, 32) for ctx in (8192, 65536)]):
+        tv, to, same = indexer_one(B, ctx, args.calls)
+        print(f"| indexer | {B} | {ctx // 1024}K | {tv:.2f} | {to:.2f} ({to / tv:.2f}x) | {same:.1%} |")
         sys.stdout.flush()
     return 0
 

@@ -76,6 +76,7 @@ def describe() -> str:
              + "; its gradient: " + _mla_dispatch(True),
              "lightning_indexer (indexer.dispatch), a bf16 CPU call: " + _indexer_dispatch(),
              "FlashMLA's API (sparse_mla.rows), a bf16 CPU call: " + _rows_dispatch(),
+             "sparse_attn_sharedkv over paged caches, a bf16 CPU call: " + _sharedkv_step(),
              f"metadata planner: {native.status()}"
              + ("" if native.load() is not None else "; the NumPy fast planner runs")]
     return "\n".join(lines)
@@ -105,6 +106,16 @@ def _rows_dispatch() -> str:
     from .sparse_mla import rows
     q = torch.zeros(1, 16, 64, dtype=torch.bfloat16)
     return _dispatch_line(rows.explain(q, [torch.zeros(4, 64, dtype=torch.bfloat16)]))
+
+
+def _sharedkv_step() -> str:
+    """Whether a paged ``sparse_attn_sharedkv`` call (and FlashMLA's sparse decode) takes the one-step path."""
+    from .sharedkv import compiled
+    why = compiled.reasons(torch.zeros(1, 16, 64, dtype=torch.bfloat16), {"ori_kv": torch.zeros(1, 4, 1, 64),
+                                                                           "layout_q": "TND"})
+    return ("one compiled step (dsattn/native/sharedkv.cpp), the Python path for the calls it declines"
+            if not why else "the Python path (" + "; ".join(why) + ")") + \
+        "; FlashMLA's sparse decode takes its own step (flashmla.cpp) wherever its compiled implementation runs"
 
 
 def _mla_dispatch(grad: bool) -> str:

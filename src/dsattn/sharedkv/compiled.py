@@ -27,16 +27,31 @@ from ..sparse_mla.fast import NATIVE_DTYPES
 _OTHER_SHAPES = ("metadata", "seqused_q", "ori_sparse_indices")
 
 
+def reasons(q: torch.Tensor, kw: dict) -> list[str]:
+    """Why the compiled step does not take a call of these arguments (before it looks at their values);
+    empty when it does (``dsattn bench --which``)."""
+    why = []
+    if q.device.type != "cpu" or q.dtype not in NATIVE_DTYPES:
+        why.append(f"a {q.device.type} {str(q.dtype).split('.')[-1]} query (it takes CPU bf16 / fp16 / fp32)")
+    if kw.get("layout_kv", "PA_ND") != "PA_ND" or kw.get("layout_q", "BSND") not in ("BSND", "TND"):
+        why.append("not paged caches (layout_kv PA_ND)")
+    if kw.get("return_softmax_lse", False) or any(kw.get(name) is not None for name in _OTHER_SHAPES) \
+            or kw.get("ori_kv") is None:
+        why.append("another shape of call (a plan, seqused_q, ori_sparse_indices, no ori_kv)")
+    if uses_flash(q.dtype, q.device) or use_triton(q.device):
+        why.append("the flash rounding opt-in or Triton is chosen")
+    if not content_checks_enabled(q):
+        why.append("content checks are off")
+    if not why and native.kernels() is None:
+        why.append(native.status())
+    return why
+
+
 def run(q: torch.Tensor, packed, kw: dict) -> torch.Tensor | None:
     """The call's ``attn_out``, or None when the compiled step declines it."""
-    if (q.device.type != "cpu" or q.dtype not in NATIVE_DTYPES or kw.get("layout_kv", "PA_ND") != "PA_ND"
-            or kw.get("layout_q", "BSND") not in ("BSND", "TND") or kw.get("return_softmax_lse", False)
-            or any(kw.get(name) is not None for name in _OTHER_SHAPES) or kw.get("ori_kv") is None
-            or uses_flash(q.dtype, q.device) or use_triton(q.device) or not content_checks_enabled(q)):
+    if reasons(q, kw):
         return None
     module = native.kernels()
-    if module is None:
-        return None
     ori_kv, cmp_kv = kw["ori_kv"], kw.get("cmp_kv")
     formats = []
     if packed is not None:
