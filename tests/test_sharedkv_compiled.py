@@ -124,3 +124,14 @@ def test_other_shapes_are_declined():
     assert compiled.run(q, None, dict(kw, ori_kv=strided)) is None
     assert compiled.run(q.double(), None, kw) is None
     assert compiled.run(q, None, dict(kw, layout_kv="TND")) is None
+
+
+def test_reasons_name_why_a_call_is_declined():
+    """What ``dsattn bench --which`` prints: no reason for a paged bf16 CPU call, the reason otherwise."""
+    from dsattn.backend import describe
+    q, kw = _decode_call()
+    assert compiled.reasons(q, kw) == []
+    assert any("paged" in r for r in compiled.reasons(q, dict(kw, layout_kv="TND")))
+    assert any("float64" in r for r in compiled.reasons(q.double(), kw))
+    assert any("plan" in r for r in compiled.reasons(q, dict(kw, metadata=torch.zeros(1024, dtype=torch.int32))))
+    assert "sparse_attn_sharedkv over paged caches, a bf16 CPU call: one compiled step" in describe()
