@@ -65,3 +65,12 @@ def test_the_suite_catches_a_stray_read(monkeypatch):
     monkeypatch.setattr(banded, "ori_range_t", one_too_far)
     rep = fuzz.check_seeds("mla", range(40))
     assert len(rep.failures) >= 10
+
+
+def test_pooled_share_is_judged_on_a_pool_of_enough_elements():
+    """A share rule over fewer than POOL_BELOW pooled elements is noise (4 outliers in 776 is 99.48 %);
+    over a pool that large it is judged."""
+    small = fuzz.FuzzReport("sharedkv", pooled={("bf16-cross-order", 0.995): [772.0, 776]})
+    assert not fuzz.check_pooled(small).failures
+    big = fuzz.FuzzReport("sharedkv", pooled={("bf16-cross-order", 0.995): [fuzz.POOL_BELOW * 0.99, fuzz.POOL_BELOW]})
+    assert fuzz.check_pooled(big).failures

@@ -626,10 +626,13 @@ def check_seeds(family: str, seeds, into: FuzzReport | None = None, pooled: bool
 
 
 def check_pooled(rep: FuzzReport) -> FuzzReport:
-    """The statistical rules over the pooled elements of the report's small tensors."""
+    """The statistical rules over the pooled elements of the report's small tensors, once the pool holds
+    ``POOL_BELOW`` elements: a smaller pool is as noisy as a small tensor (a 99.5 % share of 776 elements
+    allows 3 outliers, and cross-order bf16 rounding gives about that many by chance), so its share is left
+    to a longer run (``dsattn verify --fuzz N``, ``-m slow``); every per-element bound still applies."""
     from ..testing import MAX_COS_DIFF, cos_from_terms
     for (rule, share), (good, n) in rep.pooled.items():
-        if n and good / n < share:
+        if n >= POOL_BELOW and good / n < share:
             rep.failures.append(f"{rep.family}: pooled {rule} share {good / n:.4%} < {share:.1%} over {n} elements")
     cd = cos_from_terms(*rep.pooled_cos)
     if cd > MAX_COS_DIFF:

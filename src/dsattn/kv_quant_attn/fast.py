@@ -55,7 +55,7 @@ def _forward_compiled(P: QsfaProblem, tokens, want_stats: bool):
     for t0 in range(0, R, step):
         t1 = min(R, t0 + step)
         b, tok, mask = candidate_tokens(P, t0, t1)
-        flat = P.kv.flat_index(*P.kv.locate(b[:, None], tok, mask, check=check), mask)
+        flat = P.kv.rows_index(b[:, None], tok, mask, check=check)          # paged CPU caches: one compiled call
         o, _, _, st = rows.attend_rows(qf[t0:t1], [tokens], [flat.contiguous()], scale=P.scale, sinks=P.sinks,
                                        want_stats=True)
         out[t0:t1] = o[..., :KV_LORA_RANK]
