@@ -231,17 +231,99 @@ def test_compiled_kernel_reads_the_packed_cache_in_place(path, payload, monkeypa
     module = native.kernels()
     if path == "compiled" and module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
+    from dsattn.kv_quant_attn import compiled
     seen = []
     if path == "torch":
         monkeypatch.setattr(fast, "compiled_tokens", lambda P: None)
+        monkeypatch.setattr(compiled, "run", lambda *a: None)
     else:
-        real = module.sparse_attention_forward
+        real, real_step = module.sparse_attention_forward, module.qsfa_paged
 
         def spy(*args, **kwargs):
             seen.append(kwargs.get("formats"))
             return real(*args, **kwargs)
+
+        def spy_step(*args):                   # the one-step path: the cache's bytes and their format
+            taken = real_step(*args)
+            if taken:
+                seen.append([args[-1]])
+            return taken
         monkeypatch.setattr(module, "sparse_attention_forward", spy)
+        monkeypatch.setattr(module, "qsfa_paged", spy_step)
     case = cases.qsfa_case("TND", "PA_BSND", torch.bfloat16, payload=payload, sparse_block_size=4, seed=_seed())
     _assert_rows(verify.qsfa_rows(case))
     if path == "compiled":
         assert seen and all(f and len(f[0]) == 14 for f in seen), seen
+
+
+@pytest.mark.parametrize("seed_offset", range(3))
+def test_one_step_path_gives_the_python_paths_bits(seed_offset, monkeypatch):
+    """The paged one-step path (dsattn/native/kv_quant.cpp) on random QSFA calls of the fuzz family (TND /
+    BSND with padding rows, sparse blocks 1-16, modes 0 / 3, rope 0 / 64, int8 / fp8, sinks, statistics):
+    where it takes a call, outputs and statistics are the Python path's bits; non-paged calls it declines."""
+    from dsattn import native
+    from dsattn.cases import fuzz
+    from dsattn.kv_quant_attn import compiled
+    if native.kernels() is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    base = _seed() + 1000 * seed_offset
+    taken = 0
+    for seed in range(base, base + 12):
+        c = fuzz.qsfa_config(seed)
+        kw = dict(c.kwargs)
+        args = (c.q, c.extra["key"], c.extra["key"], c.extra["sparse_indices"])
+        scale = kw.pop("scale_value", 1.0)
+        for want in (False, True):
+            kw["return_softmax_lse"] = want
+            got = ops.kv_quant_sparse_flash_attention(*args, scale, **kw)
+            step = compiled.run(*args, scale, {k: v for k, v in kw.items() if k != "return_softmax_lse"}, want)
+            with monkeypatch.context() as m:
+                m.setattr(compiled, "run", lambda *a: None)
+                ref = ops.kv_quant_sparse_flash_attention(*args, scale, **kw)
+            if kw.get("layout_kv") == "PA_BSND" and c.q.numel():
+                assert step is not None, f"seed {seed}: a paged call was declined"
+                taken += 1
+            else:
+                assert step is None
+            for a, b in zip(got, ref):
+                assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"seed {seed}"
+    assert taken > 0
+
+
+def _paged_qsfa_call():
+    c = cases.qsfa_case("TND", "PA_BSND", torch.bfloat16, seed=_seed())
+    return c.q, c.extra["key"], c.extra["sparse_indices"], dict(c.kwargs)
+
+
+def _bad_qsfa(kw, idx):
+    table, s2 = kw["block_table"], kw["actual_seq_lengths_kv"]
+    bad_table = table.clone()
+    bad_table[0, 0] = 10_000
+    cap = table.size(1) * 16
+    return {
+        "a block number past the cache": dict(block_table=bad_table),
+        "a length past the table": dict(actual_seq_lengths_kv=torch.tensor([cap + 1] + s2[1:].tolist(), dtype=torch.int32)),
+        "a negative length": dict(actual_seq_lengths_kv=torch.tensor([-1] + s2[1:].tolist(), dtype=torch.int32)),
+        "decreasing query ends": dict(actual_seq_lengths_query=kw["actual_seq_lengths_query"].flip(0)),
+        "sinks float16": dict(sinks=torch.zeros(4, dtype=torch.float16)),
+        "int64 indices": dict(sparse_indices=idx.long()),
+        "int64 block table": dict(block_table=table.long()),
+        "no block table": dict(block_table=None),
+    }
+
+
+@pytest.mark.parametrize("what", list(_bad_qsfa(_paged_qsfa_call()[3], _paged_qsfa_call()[2])))
+def test_one_step_path_declines_what_the_checks_refuse(what):
+    from dsattn import native
+    from dsattn.kv_quant_attn import compiled
+    if native.kernels() is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    q, key, idx, kw = _paged_qsfa_call()
+    kw.pop("return_softmax_lse", None)
+    change = _bad_qsfa(kw, idx)[what]
+    idx = change.pop("sparse_indices", idx)
+    kw.update(change)
+    scale = kw.pop("scale_value", 1.0)
+    assert compiled.run(q, key, key, idx, scale, kw, False) is None
+    with pytest.raises((ValueError, TypeError)):
+        ops.kv_quant_sparse_flash_attention(q, key, key, idx, scale, **{k: v for k, v in kw.items() if v is not None})

@@ -5,7 +5,7 @@ import torch
 
 from .._registry import register
 from ..quant.rows import KV_LORA_RANK
-from . import dispatch
+from . import compiled, dispatch
 from .problem import parse_qsfa
 
 KV_QUANT_SFA_SCHEMA = (
@@ -24,6 +24,9 @@ KV_QUANT_SFA_SCHEMA = (
 
 def _kernel(query, key, value, sparse_indices, scale_value=1.0, **kw):
     want = kw.pop("return_softmax_lse", False)
+    taken = compiled.run(query, key, value, sparse_indices, scale_value, kw, want)    # paged decode: one step
+    if taken is not None:
+        return taken
     return dispatch.forward(parse_qsfa(query, key, value, sparse_indices, scale_value, **kw), want)
 
 

@@ -24,7 +24,7 @@ import contextlib
 import os
 import warnings
 
-_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp", "matmul.cpp", "sharedkv.cpp", "flashmla.cpp")
+_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp", "matmul.cpp", "sharedkv.cpp", "flashmla.cpp", "kv_quant.cpp")
 _HEADERS = ("attention.h", "common.h", "gemm.h", "keys.h")
 _state: dict = {}
 

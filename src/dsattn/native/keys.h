@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -139,10 +140,72 @@ struct KeySelection {
   }
 };
 
+// The one-step paths (sharedkv.cpp, flashmla.cpp, kv_quant.cpp) decline a call whose integer arguments
+// are not CPU int32 tensors; these read them, and build the query rows.
+inline bool cpu_int32(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->device().is_cpu() && t->scalar_type() == at::kInt;
+}
+
+inline std::vector<int64_t> int_values(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  const int32_t* p = c.data_ptr<int32_t>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
+
+// An optional sinks argument the steps take: fp32 [H] on the CPU.
+inline bool sinks_ok(const c10::optional<at::Tensor>& sinks, int64_t H) {
+  return !sinks.has_value() ||
+         (sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == H);
+}
+
+// Flattened query rows (dsattn/common/layout.py: query_rows): per row its batch, its index inside the
+// batch's extent, and whether it is used (not padding).
+struct QueryRowsHost {
+  int64_t B = 0;
+  std::vector<int64_t> batch, local, extent;
+  std::unique_ptr<bool[]> used;
+
+  // TND rows from the segment starts cu [B + 1]; false when cu does not start at 0, decreases or ends
+  // past the R rows.  Rows past cu[B] belong to the last batch, unused.
+  bool tnd(const std::vector<int64_t>& cu, int64_t R) {
+    B = static_cast<int64_t>(cu.size()) - 1;
+    if (B < 1 || cu[0] != 0 || cu[B] > R) return false;
+    for (int64_t b = 0; b < B; ++b)
+      if (cu[b + 1] < cu[b]) return false;
+    extent.resize(B);
+    for (int64_t b = 0; b < B; ++b) extent[b] = cu[b + 1] - cu[b];
+    alloc(R);
+    int64_t b = 0;
+    for (int64_t t = 0; t < R; ++t) {
+      while (b < B && cu[b + 1] <= t) ++b;                  // first batch whose segment ends past t
+      const int64_t bb = std::min(b, B - 1);
+      batch[t] = bb;
+      local[t] = t - cu[bb];
+      used[t] = b < B && local[t] < extent[bb];
+    }
+    return true;
+  }
+
+  // BSND rows: B batches of S1 rows, the first extent[b] of batch b used.
+  void bsnd(int64_t batches, int64_t S1, std::vector<int64_t> extents) {
+    B = batches;
+    extent = std::move(extents);
+    alloc(B * S1);
+    for (int64_t t = 0; t < B * S1; ++t) batch[t] = t / S1, local[t] = t % S1, used[t] = local[t] < extent[batch[t]];
+  }
+
+ private:
+  void alloc(int64_t R) {
+    batch.assign(R, 0);
+    local.assign(R, 0);
+    used.reset(new bool[R]);
+  }
+};
+
 }  // namespace dsattn_native
 
-// The bound entries built on it or beside it: paged.cpp (key_tables), sharedkv.cpp (sharedkv_paged) and
-// flashmla.cpp (flashmla_sparse).
+// The bound entries built on it or beside it: paged.cpp (key_tables), sharedkv.cpp (sharedkv_paged),
+// flashmla.cpp (flashmla_sparse) and kv_quant.cpp (qsfa_paged).
 std::tuple<std::vector<at::Tensor>, std::vector<std::vector<int64_t>>> key_tables(
     int64_t t0, int64_t t1, const at::Tensor& batch, const at::Tensor& local, const at::Tensor& used,
     const at::Tensor& extent, const at::Tensor& ori_lengths, int64_t ori_kind, const at::Tensor& ori_map,
@@ -164,3 +227,9 @@ bool flashmla_sparse(at::Tensor out, at::Tensor lse, const at::Tensor& q, const 
                      const std::vector<std::vector<int64_t>>& formats, const std::vector<at::Tensor>& indices,
                      const std::vector<at::Tensor>& lengths, const std::vector<int64_t>& tokens, int64_t s_q,
                      const c10::optional<at::Tensor>& sinks, double scale);
+
+bool qsfa_paged(at::Tensor out, at::Tensor stats, const at::Tensor& query, const at::Tensor& key,
+                const at::Tensor& sparse_indices, const c10::optional<at::Tensor>& block_table,
+                const c10::optional<at::Tensor>& seq_q, const c10::optional<at::Tensor>& seq_kv,
+                const c10::optional<at::Tensor>& sinks, double scale, int64_t sparse_block, bool causal, bool tnd,
+                const std::vector<int64_t>& format);

@@ -94,6 +94,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a decode-sized sparse_attn_sharedkv call over paged caches in one step; False: declined, nothing written");
   m.def("flashmla_sparse", &flashmla_sparse,
         "FlashMLA's sparse decode over index lists in one step; False: declined, nothing written");
+  m.def("qsfa_paged", &qsfa_paged,
+        "a decode-sized kv_quant_sparse_flash_attention call over a paged packed cache in one step; False: declined");
   m.def("key_tables", &key_tables, "flat key rows of query rows (ori window, compressed entries): keys() + rows_index",
         py::arg("t0"), py::arg("t1"), py::arg("batch"), py::arg("local"), py::arg("used"), py::arg("extent"),
         py::arg("ori_lengths"), py::arg("ori_kind"), py::arg("ori_map"), py::arg("ori_page"), py::arg("ori_blocks"),

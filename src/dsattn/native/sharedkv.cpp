@@ -10,7 +10,6 @@
 #include <torch/extension.h>
 
 #include <cmath>
-#include <memory>
 #include <vector>
 
 #include "attention.h"
@@ -18,18 +17,9 @@
 
 namespace {
 
+using dsattn_native::cpu_int32;
 using dsattn_native::KeyMap;
 using dsattn_native::KeySelection;
-
-bool cpu_int32(const c10::optional<at::Tensor>& t) {
-  return t.has_value() && t->device().is_cpu() && t->scalar_type() == at::kInt;
-}
-
-std::vector<int64_t> values(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
-  const int32_t* p = c.data_ptr<int32_t>();
-  return std::vector<int64_t>(p, p + c.numel());
-}
 
 // A paged cache [num_blocks, block_size, 1, D] (or [num_blocks, block_size, D]) read in place: its rows
 // (or bytes, when packed) and its key map; false when the cache is not one the step reads in place.
@@ -80,42 +70,22 @@ bool sharedkv_paged(at::Tensor out, const at::Tensor& q, const at::Tensor& ori_k
   const int64_t H = q.size(-2), D = q.size(-1);
   const int64_t R = tnd ? q.size(0) : q.size(0) * q.size(1);
   if (!out.device().is_cpu() || out.scalar_type() != dt || !out.is_contiguous() || out.numel() != R * H * D) return false;
-  if (sinks.has_value() && (!sinks->device().is_cpu() || sinks->scalar_type() != at::kFloat || sinks->dim() != 1 ||
-                            sinks->size(0) != H))
-    return false;
+  if (!dsattn_native::sinks_ok(sinks, H)) return false;
 
-  // -- query rows (00 §5.2): batch, index inside the batch's extent, used
-  int64_t B = 0;
-  std::vector<int64_t> batch(R), local(R), extent;
-  std::unique_ptr<bool[]> used(new bool[R]);
+  // -- query rows (00 §5.2)
+  dsattn_native::QueryRowsHost qrows;
   if (tnd) {
-    if (!cpu_int32(cu_seqlens_q) || cu_seqlens_q->dim() != 1 || cu_seqlens_q->size(0) < 2) return false;
-    const std::vector<int64_t> cu = values(*cu_seqlens_q);
-    B = static_cast<int64_t>(cu.size()) - 1;
-    if (cu[0] != 0 || cu[B] > R) return false;
-    for (int64_t b = 0; b < B; ++b)
-      if (cu[b + 1] < cu[b]) return false;
-    extent.resize(B);
-    for (int64_t b = 0; b < B; ++b) extent[b] = cu[b + 1] - cu[b];
-    int64_t b = 0;
-    for (int64_t t = 0; t < R; ++t) {
-      while (b < B && cu[b + 1] <= t) ++b;                  // first batch whose segment ends past t
-      const int64_t bb = std::min(b, B - 1);
-      batch[t] = bb;
-      local[t] = t - cu[bb];
-      used[t] = b < B && local[t] < extent[bb];
-    }
+    if (!cpu_int32(cu_seqlens_q) || cu_seqlens_q->dim() != 1 || !qrows.tnd(dsattn_native::int_values(*cu_seqlens_q), R))
+      return false;
   } else {
     if (cu_seqlens_q.has_value()) return false;
-    B = q.size(0);
-    const int64_t S1 = q.size(1);
-    extent.assign(B, S1);
-    for (int64_t t = 0; t < R; ++t) batch[t] = t / S1, local[t] = t % S1, used[t] = true;
+    qrows.bsnd(q.size(0), q.size(1), std::vector<int64_t>(q.size(0), q.size(1)));
   }
+  const int64_t B = qrows.B;
 
   // -- key lengths (20 §4.2): S2o = seqused_kv, S2c = floor(S2o / r), the causal bound Lc = S2o
   if (!cpu_int32(seqused_kv) || seqused_kv->dim() != 1 || seqused_kv->size(0) != B) return false;
-  const std::vector<int64_t> S2o = values(*seqused_kv);
+  const std::vector<int64_t> S2o = dsattn_native::int_values(*seqused_kv);
   int64_t ori_cap = 0, cmp_cap = 0;
   std::vector<int64_t> S2c(B);
   for (int64_t b = 0; b < B; ++b) {
@@ -127,10 +97,10 @@ bool sharedkv_paged(at::Tensor out, const at::Tensor& q, const at::Tensor& ori_k
 
   KeySelection k;
   k.B = B;
-  k.batch = batch.data();
-  k.local = local.data();
-  k.used = used.get();
-  k.S1e = extent.data();
+  k.batch = qrows.batch.data();
+  k.local = qrows.local.data();
+  k.used = qrows.used.get();
+  k.S1e = qrows.extent.data();
   k.S2o = S2o.data();
   k.om = ori_mask_mode;
   k.wl = win_left;
@@ -162,14 +132,14 @@ bool sharedkv_paged(at::Tensor out, const at::Tensor& q, const at::Tensor& ori_k
       if (cmp_topk_length.has_value()) {              // 20 §2.8: per request [B] or per query row
         const auto& len = *cmp_topk_length;
         if (!cpu_int32(cmp_topk_length)) return false;
-        const std::vector<int64_t> v = values(len);
+        const std::vector<int64_t> v = dsattn_native::int_values(len);
         const bool per_row = tnd ? (len.dim() == 1 && len.size(0) == R)
                                  : (len.dim() == 2 && len.size(0) == B && len.size(1) == q.size(1));
         if (!per_row && !(len.dim() == 1 && len.size(0) == B)) return false;
         for (int64_t x : v)
           if (x < 0 || x > k.K) return false;
         cap.resize(R);
-        for (int64_t t = 0; t < R; ++t) cap[t] = per_row ? v[t] : v[batch[t]];
+        for (int64_t t = 0; t < R; ++t) cap[t] = per_row ? v[t] : v[qrows.batch[t]];
         k.cap = cap.data();
       }
     } else if (cmp_topk_length.has_value()) {
