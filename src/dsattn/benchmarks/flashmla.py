@@ -1,7 +1,7 @@
 """FlashMLA's API (:mod:`dsattn.flashmla`) against the operators on the same work: the same queries,
 keys, sinks and scale, each through its own interface (FlashMLA's flat pool indices and FP8 cache
-layouts; the operators' block tables and packed rows): V4 CSA decode (bf16, FP8 V4), V3.2 decode
-(FP8 V3.2 against QSFA), a V4 CSA prefill.  The ratio is the API's time over the
+layouts; the operators' block tables and packed rows): V4 CSA decode (bf16, FP8 V4), one-request V4 CSA /
+HCA decode, V3.2 decode (FP8 V3.2 against QSFA), a V4 CSA prefill.  The ratio is the API's time over the
 operator's; the outputs are checked to agree (the bf16 cross-order rule)."""
 from __future__ import annotations
 
@@ -123,14 +123,56 @@ def prefill_rows(results, L=4096):
                           note=f"API / operator {t_api / t_op:.2f}x", extra={"matches_operator": match}))
 
 
+SINGLE_CALLS = 200
+
+
+def single_request_rows(results, fixed=8192, calls=SINGLE_CALLS):
+    """One request (B 1), V4-Flash CSA and HCA decode: where a step's fixed cost (argument checks, key
+    tables, allocations) weighs most.  The operators (bf16 and packed FP8 rows) and FlashMLA's API (bf16 and
+    V4 FP8) beside the operator's Python path (its one-step compiled path turned off), median of ``calls``."""
+    from ..sharedkv import compiled
+    for ratio, kind in ((4, "CSA"), (128, "HCA")):
+        q, kw, flops, _ = workloads.decode(B=1, ratio=ratio, fixed=fixed, seed=2)
+        qt, plain = workloads.sharedkv_args(q, kw)
+        ori8, cmp8 = F.quantize_cache(kw["ori_kv"], F.V4), F.quantize_cache(kw["cmp_kv"], F.V4)
+        _, packed = workloads.sharedkv_args(q, kw, F.to_packed_rows(ori8), F.to_packed_rows(cmp8))
+        name = f"decode {kind} V4-Flash B1 @{fixed // 1024}K"
+        nbytes = workloads.decode_bytes(q, kw)
+        nbytes8 = workloads.decode_bytes(q, dict(kw, ori_kv=packed["ori_kv"], cmp_kv=packed["cmp_kv"]))
+        op = lambda: ops.sparse_attn_sharedkv(qt, **plain)[0]                                          # noqa: E731
+        t_op = timeit(op, repeat=calls, warmup=5)
+        step, compiled.run = compiled.run, (lambda *a: None)
+        try:
+            t_py = timeit(op, repeat=calls, warmup=5)
+        finally:
+            compiled.run = step
+        call = decode_call(q, kw)
+        t_api = timeit(_flash_decode(q, kw["ori_kv"], kw["cmp_kv"], call, False), repeat=calls, warmup=5)
+        op8 = lambda: ops.sparse_attn_sharedkv_packed(qt, kv_rope_dim=64, kv_tile_size=64, **packed)[0]  # noqa: E731
+        t_op8 = timeit(op8, repeat=calls, warmup=5)
+        t_api8 = timeit(_flash_decode(q, ori8, cmp8, call, True), repeat=calls, warmup=5)
+        results.append(Result("flashmla", name, "sparse_attn_sharedkv bf16 (one compiled step)", t_op, flops / 1e9,
+                              bytes=nbytes))
+        results.append(Result("flashmla", name, "sparse_attn_sharedkv bf16, Python path", t_py, flops / 1e9,
+                              bytes=nbytes, note=f"{t_py / t_op:.1f}x the one-step call"))
+        results.append(Result("flashmla", name, "flash_mla_with_kvcache bf16", t_api, flops / 1e9, bytes=nbytes,
+                              note=f"API / operator {t_api / t_op:.2f}x"))
+        results.append(Result("flashmla", name, "sparse_attn_sharedkv_packed FP8 (one compiled step)", t_op8,
+                              flops / 1e9, bytes=nbytes8))
+        results.append(Result("flashmla", name, "flash_mla_with_kvcache FP8 V4", t_api8, flops / 1e9, bytes=nbytes8,
+                              note=f"API / operator {t_api8 / t_op8:.2f}x"))
+
+
 def run(smoke: bool = False, results=None) -> list[Result]:
     results = [] if results is None else results
     if smoke:
         decode_rows(results, B=2, fixed=4096, calls=1)
+        single_request_rows(results, fixed=2048, calls=1)
         v32_decode_rows(results, B=2, topk=64, ctx=1024, heads=16, pool_blocks=32, calls=1)
         prefill_rows(results, L=256)
     else:
         decode_rows(results)
+        single_request_rows(results)
         v32_decode_rows(results)
         prefill_rows(results)
     return results
