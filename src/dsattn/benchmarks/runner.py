@@ -39,11 +39,18 @@ def _speedups(results):
     return out
 
 
+def _seconds(s: float) -> str:
+    """Four decimals, or four significant digits below a millisecond (a one-request decode step)."""
+    if s != s:
+        return "-"
+    return f"{s:.4f}" if s >= 1e-3 else f"{s:.3e}"
+
+
 def rows(ceil, results):
     sp = _speedups(results)
     for r in results:
         g = r.gflops
-        yield [r.family, r.workload, r.variant, f"{r.seconds:.4f}" if r.seconds == r.seconds else "-",
+        yield [r.family, r.workload, r.variant, _seconds(r.seconds),
                f"{g:.1f}" if g else "-", f"{100 * g / ceil.bf16_gflops:.0f} %" if g else "-",
                f"{100 * g / ceil.fp32_gflops:.0f} %" if g else "-",
                f"{100 * g / max(ceil.bf16_gflops, ceil.fp32_gflops):.0f} %" if g else "-",
