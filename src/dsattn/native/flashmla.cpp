@@ -27,18 +27,17 @@ bool flashmla_sparse(at::Tensor out, at::Tensor lse, const at::Tensor& q, const 
   const int64_t R = q.size(0), H = q.size(1), b = R / s_q;
   std::vector<at::Tensor> tables(n);
   for (size_t i = 0; i < n; ++i) {
+    if (!dsattn_native::cpu_int32(indices[i]) || indices[i].dim() != 2 || indices[i].size(0) != R) return false;
     const at::Tensor idx = indices[i].contiguous();
-    if (idx.scalar_type() != at::kInt || idx.dim() != 2 || idx.size(0) != R || !idx.device().is_cpu()) return false;
     const int64_t K = idx.size(1);
     const int32_t* ip = idx.data_ptr<int32_t>();
     std::vector<int64_t> cap(b, K);
     if (lengths[i].numel() > 0) {
-      const at::Tensor len = lengths[i].contiguous();
-      if (len.scalar_type() != at::kInt || len.numel() != b || !len.device().is_cpu()) return false;
-      const int32_t* lp = len.data_ptr<int32_t>();
-      for (int64_t r = 0; r < b; ++r) {
-        if (lp[r] < 0) return false;
-        cap[r] = std::min<int64_t>(lp[r], K);
+      if (!dsattn_native::cpu_int32(lengths[i]) || lengths[i].numel() != b) return false;
+      cap = dsattn_native::int_values(lengths[i]);
+      for (int64_t& c : cap) {
+        if (c < 0) return false;
+        c = std::min(c, K);
       }
     }
     tables[i] = at::empty({R, K}, q.options().dtype(at::kLong));

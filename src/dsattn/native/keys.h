@@ -35,6 +35,18 @@ struct KeyMap {
   int64_t page = 1;                // BSND: rows per batch; paged: block size
   int64_t num_blocks = 0;
 
+  // A paged cache's map: its contiguous int32 block table [B, columns] (kept alive by the caller), its
+  // block size and block count.
+  static KeyMap paged(const at::Tensor& table, int64_t block_size, int64_t blocks) {
+    KeyMap m;
+    m.kind = 2;
+    m.table = table.data_ptr<int32_t>();
+    m.columns = table.size(1);
+    m.page = block_size;
+    m.num_blocks = blocks;
+    return m;
+  }
+
   // false (and row -1) when a paged entry is past the table or not a block of the cache
   bool row(int64_t b, int64_t x, int64_t& out) const {
     if (kind == 0) {

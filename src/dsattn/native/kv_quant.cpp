@@ -63,8 +63,8 @@ bool qsfa_paged(at::Tensor out, at::Tensor stats, const at::Tensor& query, const
   if (!cpu_int32(seq_kv) || seq_kv->dim() != 1 || seq_kv->size(0) != B) return false;
   const std::vector<int64_t> S2 = int_values(*seq_kv);
   const at::Tensor table = block_table->contiguous();
-  const int32_t* tp = table.data_ptr<int32_t>();
   const int64_t columns = table.size(1);
+  const dsattn_native::KeyMap pages = dsattn_native::KeyMap::paged(table, bs, num_blocks);
   for (int64_t v : S2)
     if (v < 0 || v > columns * bs) return false;
   const auto& si = sparse_indices;
@@ -92,11 +92,7 @@ bool qsfa_paged(at::Tensor out, at::Tensor stats, const at::Tensor& query, const
         const int64_t tok = v * sparse_block + j;
         int64_t& dst = rp[t * W + s * sparse_block + j];
         dst = -1;
-        if (!block_ok || tok >= end) continue;
-        const int64_t col = tok / bs;
-        const int64_t blk = col < columns ? tp[b * columns + col] : -1;
-        if (blk < 0 || blk >= num_blocks) return false;          // the Python path reports the table entry
-        dst = blk * bs + tok % bs;
+        if (block_ok && tok < end && !pages.row(b, tok, dst)) return false;   // the Python path reports the entry
       }
     }
   }

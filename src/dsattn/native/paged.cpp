@@ -62,19 +62,18 @@ using dsattn_native::KeySelection;
 
 KeyMap key_map(int64_t kind, const at::Tensor& map, int64_t page, int64_t num_blocks, int64_t B, const char* name) {
   TORCH_CHECK(kind >= 0 && kind <= 2 && page >= 1, name, ": kind must be 0 (BSND), 1 (TND) or 2 (paged), page >= 1");
+  if (kind == 2) {
+    TORCH_CHECK(map.scalar_type() == at::kInt && map.dim() == 2 && map.size(0) == B && map.is_contiguous(), name,
+                ": paged needs its contiguous int32 block table [B, columns]");
+    return KeyMap::paged(map, page, num_blocks);
+  }
   KeyMap m;
   m.kind = kind;
   m.page = page;
-  m.num_blocks = num_blocks;
   if (kind == 1) {
     TORCH_CHECK(map.scalar_type() == at::kLong && map.is_contiguous() && map.numel() >= B + 1, name,
                 ": TND needs its int64 cu_seqlens [B + 1]");
     m.cu = map.data_ptr<int64_t>();
-  } else if (kind == 2) {
-    TORCH_CHECK(map.scalar_type() == at::kInt && map.dim() == 2 && map.size(0) == B && map.is_contiguous(), name,
-                ": paged needs its contiguous int32 block table [B, columns]");
-    m.table = map.data_ptr<int32_t>();
-    m.columns = map.size(1);
   }
   return m;
 }

@@ -35,11 +35,7 @@ bool paged_source(const at::Tensor& kv_in, const c10::optional<at::Tensor>& tabl
     rows = kv.view({-1, kv.size(3)});
   }
   table_c = table->contiguous();
-  map.kind = 2;
-  map.table = table_c.data_ptr<int32_t>();
-  map.columns = table_c.size(1);
-  map.page = kv.size(1);
-  map.num_blocks = kv.size(0);
+  map = KeyMap::paged(table_c, kv.size(1), kv.size(0));
   return true;
 }
 
