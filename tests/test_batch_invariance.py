@@ -20,12 +20,14 @@ def test_every_request_alone_gives_its_rows_in_the_batch(family, native_module):
     assert n == PER_FAMILY and not failures, "\n".join(failures[:10])
 
 
-@pytest.mark.parametrize("gemm", ["avx512bf16", "fp32"])
+@pytest.mark.parametrize("gemm", ["avx512bf16", "onednn", "fp32"])
 def test_the_other_gemm_paths_are_batch_invariant_too(gemm, native_module):
     if native_module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
     if gemm == "avx512bf16" and not native_module.cpu_has_avx512bf16():
         pytest.skip("this CPU has no AVX512-BF16")
+    if gemm == "onednn" and not native_module.bf16_gemm_choice()["onednn_runs"]:
+        pytest.skip("oneDNN's avx512_core_bf16 ukernel is the path of AVX512-BF16 CPUs without AMX; not this one")
     with native.gemm_path(gemm):
         for family in ("mla", "indexer", "qsfa", "compressor"):
             _, failures = invariance.check_seeds(family, range(BASE + 7, BASE + 17))

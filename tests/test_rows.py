@@ -91,8 +91,8 @@ def test_dispatch_order_and_reasons():
     q = torch.randn(2, 3, 8).bfloat16()
     expected = "compiled" if native.kernels() is not None else "torch"
     assert rows.choose(q, [torch.randn(4, 8).bfloat16()]).name == expected
-    from dsattn import backend
-    line = [x for x in backend.describe().splitlines() if x.startswith("FlashMLA's API")]
+    from dsattn import which
+    line = [x for x in which.describe().splitlines() if x.startswith("FlashMLA's API")]
     assert line and line[0].split(": ", 1)[1].startswith(expected)               # dsattn bench --which
     out, lse, mx, _ = rows.attend_rows(q[:0], [torch.randn(4, 8).bfloat16()], [torch.zeros(0, 2, dtype=torch.int64)],
                                     scale=1.0)

@@ -128,7 +128,7 @@ def test_other_shapes_are_declined():
 
 def test_reasons_name_why_a_call_is_declined():
     """What ``dsattn bench --which`` prints: no reason for a paged bf16 CPU call, the reason otherwise."""
-    from dsattn.backend import describe
+    from dsattn.which import describe
     q, kw = _decode_call()
     assert compiled.reasons(q, kw) == []
     assert any("paged" in r for r in compiled.reasons(q, dict(kw, layout_kv="TND")))

@@ -242,7 +242,7 @@ def _bench(args) -> int:
     if args.emulate_avx512bf16 and "DSATTN_BENCH_EMULATION" not in os.environ:
         return _bench_emulated(args, "AVX512-BF16", AVX512BF16_EMULATION)
     if args.which:
-        from .backend import describe
+        from .which import describe
         print(describe())
         return 0
     if args.family and "gpu" in args.family:

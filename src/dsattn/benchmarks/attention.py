@@ -49,6 +49,60 @@ def _both_paths(family, name, q, kw, flops, repeat, results, nbytes: float = 0.0
     return default
 
 
+# The GEMMs of one V4-Flash query row as the compiled forward calls them: S^T of a ring chunk and of a
+# whole row (keys x heads, K = the head dim), S = q k^T as a user would write it, and P V over the
+# row's 640 keys in V's 64-column strips (64 heads; 32 at B 1, whose heads the threads split).
+GEMM_SHAPES = {"S^T chunk (M 128 keys, N 64 heads, K 512)": (128, 64, 512, 64),
+               "S^T row (M 640 keys, N 64 heads, K 512)": (640, 64, 512, 64),
+               "S = q k^T (M 64 heads, N 640 keys, K 512)": (64, 640, 512, 64),
+               "P V (M 64 heads, N 512, K 640 keys)": (64, 512, 640, 64),
+               "P V, B 1 head split (M 32, N 512, K 640)": (32, 512, 640, 64)}
+
+
+def bf16_paths(module) -> list[str]:
+    """The 16-bit GEMM paths of an AVX512-BF16 CPU without AMX that this one has: dsattn's micro-kernel,
+    and oneDNN's avx512_core_bf16 ukernel where it runs."""
+    if module is None or not module.cpu_has_avx512bf16() or module.attention_gemm("bfloat16") == "amx":
+        return []
+    return ["avx512bf16"] + (["onednn"] if module.bf16_gemm_choice()["onednn_runs"] else [])
+
+
+def gemm_kernel_rows(fam: str, results) -> dict[str, float]:
+    """One thread, operands in cache: the micro-kernel and oneDNN's ukernel on the attention's shapes, side
+    by side; returns each path's rate over all the shapes (GFLOP/s)."""
+    module = native.kernels()
+    paths = bf16_paths(module)
+    total = {p: [0.0, 0.0] for p in paths}
+    for name, (M, N, K, panel) in GEMM_SHAPES.items():
+        flop = 2.0 * M * N * K
+        rates = {p: module.gemm_gflops(p, M, N, K, panel) for p in paths}
+        for p in paths:
+            total[p][0] += flop
+            total[p][1] += flop / (rates[p] * 1e9)
+            note = ("operands in cache, one thread" + (f"; micro-kernel / oneDNN {rates['avx512bf16'] / rates['onednn']:.2f}"
+                                                        if p == "avx512bf16" and "onednn" in rates else ""))
+            results.append(Result(fam, f"GEMM {name}", {"avx512bf16": "dsattn micro-kernel",
+                                                        "onednn": "oneDNN avx512_core_bf16"}[p],
+                                  flop / (rates[p] * 1e9), flop / 1e9, note=note))
+    return {p: f / t / 1e9 for p, (f, t) in total.items()}
+
+
+def _each_bf16_path(fam, name, q, kw, flops, repeat, results, nbytes, onednn_rate):
+    """The same call on each 16-bit GEMM path of this CPU, side by side; the default row's note gets its
+    share of ``threads x`` oneDNN's one-thread rate on the attention's shapes."""
+    module = native.kernels()
+    paths = bf16_paths(module) if q.dtype == torch.bfloat16 else []
+    for path in paths:
+        with native.gemm_path(path):
+            t = timeit(lambda: _fwd(q, kw), repeat=repeat)
+        results.append(Result(fam, name, f"GEMM path {path}", t, flops / 1e9, bytes=nbytes))
+    default = next(r for r in results if r.workload == name and r.variant == "dsattn (default)")
+    if onednn_rate:
+        share = default.gflops / (onednn_rate * torch.get_num_threads())
+        default.note = (default.note + "; " if default.note else "") + \
+            f"{100 * share:.0f} % of {torch.get_num_threads()} x oneDNN's one-thread rate on the row's GEMM shapes"
+
+
 def random_row_read_seconds(cache: torch.Tensor, rows: int, calls: int = 5) -> float:
     """Median seconds PyTorch's ``index_select`` takes to read ``rows`` rows of ``cache`` (its last
     dim a row) at fresh random positions each call, into a preallocated buffer: a floor for any
@@ -208,6 +262,7 @@ def run(smoke: bool = False, results=None) -> list[Result]:
         results[-2].extra["matches_golden"] = bool(compare(_fwd(q, kw), reference.sparse_flash_mla(q, **kw)[0]))
         return results
     ceil = measure_ceilings(2048)          # as the runner's: the GEMM rate the reads are weighed against
+    onednn_rate = gemm_kernel_rows(fam, results).get("onednn", 0.0)
     for model, heads, topk in (("Flash", 64, 512), ("Pro", 128, 1024)):
         for ratio in (4, 128):
             q, kw, flops, _ = workloads.decode(heads=heads, ratio=ratio, topk=topk)
@@ -215,6 +270,7 @@ def run(smoke: bool = False, results=None) -> list[Result]:
             default = _both_paths(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw))
             if ratio == 4:
                 default.note = read_floor_note(kw, q.size(0) * topk, flops, ceil)
+            _each_bf16_path(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw), onednn_rate)
             if not EMULATED:
                 g = _golden_decode(q, kw)
                 results.append(Result(fam, name, "golden", g, flops / 1e9, note="32 requests, timed on 4, scaled"))
@@ -226,6 +282,7 @@ def run(smoke: bool = False, results=None) -> list[Result]:
         default = _both_paths(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw))
         if ratio == 4:
             default.note = read_floor_note(kw, q.size(0) * 512, flops, ceil)
+        _each_bf16_path(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw), onednn_rate)
         per_req = dense_masked_decode(q, kw, S2o)
         results.append(Result(fam, name, "dense-masked", per_req * 32, flops / 1e9, note="timed on 4 requests, x8"))
         per_req = careful_dense_decode(q, kw, S2o, fast)
@@ -237,6 +294,7 @@ def run(smoke: bool = False, results=None) -> list[Result]:
         name = f"prefill {SCEN[ratio]} 8K"
         default = _both_paths(fam, name, q, kw, flops, 1, results)
         default.note = fresh_output_note(q)
+        _each_bf16_path(fam, name, q, kw, flops, 1, results, 0.0, onednn_rate)
         if not EMULATED:
             g = golden_per_row(q, kw) * 8192
             results.append(Result(fam, name, "golden", g, flops / 1e9, note="timed on 16 rows, scaled to 8192"))

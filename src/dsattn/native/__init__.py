@@ -13,10 +13,11 @@ no ninja) one ``RuntimeWarning`` says so and the same fallback runs.  :func:`sta
 path is active (``dsattn bench --which``).
 
 The GEMMs run on half-precision operands where the CPU multiplies them natively: AMX (oneDNN's
-ukernel, bf16 and fp16), else AVX512-BF16 (dsattn's vdpbf16ps micro-kernel, bf16), else on fp32
-operands (AVX2, AVX-512F), decided once per process.  ``DSATTN_NATIVE_GEMM=fp32`` or
-``=avx512bf16`` (or :func:`gemm_path` for a block) forces a path on any CPU that has it: the paths
-other machines take, tested and timed on one that has more.
+ukernel, bf16 and fp16), else AVX512-BF16 (bf16: dsattn's register-tiled vdpbf16ps micro-kernel, or
+oneDNN's avx512_core_bf16 ukernel where a timing of both on the attention's shapes finds it over 10 %
+faster), else on fp32 operands (AVX2, AVX-512F), decided once per process.
+``DSATTN_NATIVE_GEMM=fp32``, ``=avx512bf16`` or ``=onednn`` (or :func:`gemm_path` for a block) forces
+a path on any CPU that has it: the paths other machines take, tested and timed on one that has more.
 """
 from __future__ import annotations
 
@@ -56,13 +57,14 @@ def suspended():
         _state["suspended"] -= 1
 
 
-_GEMM_PATHS = ("best", "avx512bf16", "fp32")
+_GEMM_PATHS = ("best", "avx512bf16", "onednn", "fp32")
 
 
 @contextlib.contextmanager
 def gemm_path(path: str):
     """Within the block the compiled kernels run the GEMM path ``path``: ``"fp32"`` (the one AVX2-only
-    CPUs take), ``"avx512bf16"`` (the vdpbf16ps micro-kernel, on a CPU that has it) or ``"best"``;
+    CPUs take), ``"avx512bf16"`` (the vdpbf16ps micro-kernel, on a CPU that has it), ``"onednn"``
+    (oneDNN's avx512_core_bf16 ukernel, on an AVX512-BF16 CPU without AMX) or ``"best"``;
     afterwards ``DSATTN_NATIVE_GEMM``'s choice again.  No effect without the compiled layer."""
     if path not in _GEMM_PATHS:
         raise ValueError(f"gemm_path: expected one of {_GEMM_PATHS}, got {path!r}")
@@ -83,11 +85,11 @@ def fp32_gemm():
 
 
 def gemm_requested() -> str:
-    """``DSATTN_NATIVE_GEMM``: ``fp32`` or ``avx512bf16`` forces that GEMM path; unset (or empty) leaves
-    the CPU's best (``"best"``)."""
+    """``DSATTN_NATIVE_GEMM``: ``fp32``, ``avx512bf16`` or ``onednn`` forces that GEMM path; unset (or
+    empty) leaves the CPU's best (``"best"``)."""
     value = os.environ.get("DSATTN_NATIVE_GEMM", "").strip().lower() or "best"
     if value not in _GEMM_PATHS:
-        raise ValueError(f"DSATTN_NATIVE_GEMM: expected 'fp32', 'avx512bf16' or unset, got {value!r}")
+        raise ValueError(f"DSATTN_NATIVE_GEMM: expected 'fp32', 'avx512bf16', 'onednn' or unset, got {value!r}")
     return value
 
 

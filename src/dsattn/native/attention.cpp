@@ -6,8 +6,9 @@
 // summation order.
 //
 // The GEMMs go through dsattn_native::gemm (gemm.h): ATen's batch-reduce ukernel where the CPU
-// multiplies 16-bit operands natively (AMX), our vdpbf16ps micro-kernel for bf16 on AVX512-BF16
-// without AMX; on either the half-precision rows are multiplied as they are with fp32 accumulation.
+// multiplies 16-bit operands natively (AMX), our vdpbf16ps micro-kernel (or oneDNN's, where faster)
+// for bf16 on AVX512-BF16 without AMX; on each the half-precision rows are multiplied as they are
+// with fp32 accumulation.
 // Elsewhere (AVX2, AVX512F) the rows are widened to fp32 as they are gathered and the fp32 ukernel runs.  Products of
 // half-precision values are exact in fp32 either way, so both paths have the golden's numerics.
 //
@@ -16,7 +17,7 @@
 //                     they stream through a ring of RING rows, packed into V as they pass)
 //   S^T   [npad, Hp]  = keys x q^T   (A = the gathered keys as they are, B = q^T packed once per row)
 //   P     [Hp, npad]  exp(S - m) rounded to the query dtype, written transposed for the next GEMM
-//   O     [Hp, Dp]    = P x V        (B = V in panels of up to PANEL columns, packed for the ukernel)
+//   O     [Hp, Dp]    = P x V        (B = V packed in panels: one PANEL wide for AMX, 64-column strips else)
 // Every buffer is cache-line aligned (dsattn_native::Buffer): the ukernel ran at half rate without.
 #include <torch/extension.h>
 
@@ -184,13 +185,13 @@ void p_from_scores_f32(const float* __restrict__ e, int64_t n, int64_t npad, int
 
 // The ukernel's packed B layout for 16-bit operands is [K/2][w][2] per panel of w columns (what
 // cpublas::pack writes; the tests compare): key rows 2i and 2i+1 interleaved element by element.
-// This writes pair i of rows (a, b) into every 64-column panel of V [npad, Dp] (panel d0 starts at
-// d0 * npad).
+// This writes pair i of rows (a, b) into every ``panel``-column panel of V [npad, Dp] (panel d0
+// starts at d0 * npad; dsattn_native::wide_panel says how wide).
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void pack_pair(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, int64_t Dp, int64_t npad, int64_t i,
-               uint16_t* __restrict__ v) {
-  for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
-    const int64_t w = std::min(PANEL, Dp - d0);
+               uint16_t* __restrict__ v, int64_t panel) {
+  for (int64_t d0 = 0; d0 < Dp; d0 += panel) {
+    const int64_t w = std::min(panel, Dp - d0);
     uint16_t* __restrict__ o = v + d0 * npad + 2 * i * w;
     for (int64_t c = 0; c < w; ++c) {
       o[2 * c] = a[d0 + c];
@@ -200,8 +201,8 @@ void pack_pair(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, i
 }
 
 // A whole row-major [K, N] 16-bit matrix (K even) in the same layout, pair of rows by pair.
-void pack_matrix(const uint16_t* rows, int64_t K, int64_t N, uint16_t* out) {
-  for (int64_t i = 0; i < K / 2; ++i) pack_pair(rows + 2 * i * N, rows + (2 * i + 1) * N, N, K, i, out);
+void pack_matrix(const uint16_t* rows, int64_t K, int64_t N, uint16_t* out, int64_t panel) {
+  for (int64_t i = 0; i < K / 2; ++i) pack_pair(rows + 2 * i * N, rows + (2 * i + 1) * N, N, K, i, out, panel);
 }
 
 // ---- packed key rows, decoded as they are gathered ----
@@ -306,7 +307,41 @@ void dequant_tile_fp8_avx2(const uint8_t* __restrict__ x, int64_t n, float scale
   dequant_tile_fp8_scalar(x + d, n - d, scale, out + d);
 }
 
+// The same decode and scale with the product rounded to bf16 (round to nearest even, NaN to 0x7FC0,
+// as bf16_bits) in registers: the gather of a bf16 query's fp8 keys writes the ring row at once,
+// with no fp32 staging row and no second pass; the bits are those of dequant_tile_fp8 followed by
+// round_to_bf16 (the same fp32 product, the same rounding; test hook fp8_decode_matches).
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void dequant_tile_fp8_bf16_avx512(const uint8_t* __restrict__ x, int64_t n, float scale, uint16_t* __restrict__ out) {
+  const __m512 vs = _mm512_set1_ps(scale), sub_unit = _mm512_set1_ps(0x1p-9f);
+  const __m512i low7 = _mm512_set1_epi32(0x7F), bias = _mm512_set1_epi32(120 << 23), eight = _mm512_set1_epi32(8),
+                nan = _mm512_set1_epi32(0x7FC00000), sign = _mm512_set1_epi32(0x80), one = _mm512_set1_epi32(1),
+                half = _mm512_set1_epi32(0x7FFF), bf16_nan = _mm512_set1_epi32(0x7FC0);
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
+    const __m512i em = _mm512_and_si512(b, low7);
+    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 20), bias);
+    const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(em), sub_unit));
+    __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(em, eight), sub, normal);
+    bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(em, low7), bits, nan);
+    bits = _mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(b, sign), 24));
+    const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), vs);
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, bf16_nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), _mm512_cvtepi32_epi16(r));
+  }
+  for (; d < n; ++d) out[d] = bf16_bits(fp8_e4m3fn_float(x[d]) * scale);
+}
+
 using DequantFp8 = void (*)(const uint8_t*, int64_t, float, float*);
+
+bool cpu_has_avx512bw() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return has;
+}
 
 // chosen once per process, from what the CPU runs
 DequantFp8 dequant_tile_fp8_best() {
@@ -374,6 +409,21 @@ bool fp8_codes_match() {
         return false;
     }
   }
+  // the fused bf16 decode: the bits of the two-pass one, for every code at scales whose products are
+  // normal, subnormal (ue8m0 2^-127), rounded up and NaN
+  if (cpu_has_avx512bw()) {
+    const float scales[] = {1.0f, 0.0123f, 0x1p-127f, 3.0f / 7.0f, 448.0f, std::numeric_limits<float>::quiet_NaN()};
+    for (const float scale : scales) {
+      float wide[256];
+      uint16_t two_pass[256], fused[256 + 5];
+      dequant_tile_fp8(codes, 256, scale, wide);
+      round_to_bf16(wide, 256, two_pass);
+      dequant_tile_fp8_bf16_avx512(codes, 256, scale, fused);
+      dequant_tile_fp8_bf16_avx512(codes + 3, 5, scale, fused + 256);      // (the scalar tail)
+      if (std::memcmp(two_pass, fused, sizeof two_pass) != 0 || std::memcmp(two_pass + 3, fused + 256, 10) != 0)
+        return false;
+    }
+  }
   return true;
 }
 
@@ -402,6 +452,8 @@ struct RowAttention {
   const float* sinks;  // [H] or null
   bool sink_in_lse = true;  // false: lse = m + log(l) without the sink (FlashMLA's convention)
 
+  int64_t vpanel = dsattn_native::wide_panel<mm_t>();   // V's panel width (packed operands)
+  bool fp8_to_bf16_in_registers = cpu_has_avx512bw();   // (AVX-512 BW: the fused fp8 -> bf16 decode)
   mm_t *keys, *ring, *q_b, *v_packed, *p;           // per-thread buffers (Workspace)
   float *s, *o, *m, *l, *inv, *vals;
 
@@ -477,10 +529,17 @@ struct RowAttention {
   void copy_row(const KeyRef& k, mm_t* to) {
     if (k.fmt == nullptr) return copy_row(reinterpret_cast<const scalar_t*>(k.payload), to);
     const PackedFormat& f = *k.fmt;
-    dequant_nope(k, vals);
     if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<mm_t, at::BFloat16>) {
-      round_to_bf16(vals, f.N, reinterpret_cast<uint16_t*>(to));
+      if (f.fp8 && fp8_to_bf16_in_registers) {
+        for (int64_t t = 0; t < f.N / f.tile; ++t)
+          dequant_tile_fp8_bf16_avx512(k.payload + t * f.tile, f.tile, tile_scale(k, t),
+                                       reinterpret_cast<uint16_t*>(to) + t * f.tile);
+      } else {
+        dequant_nope(k, vals);
+        round_to_bf16(vals, f.N, reinterpret_cast<uint16_t*>(to));
+      }
     } else {
+      dequant_nope(k, vals);
       for (int64_t d = 0; d < f.N; ++d) to[d] = as_operand(static_cast<scalar_t>(vals[d]));
     }
     mm_t* rope = to + f.N;
@@ -515,7 +574,7 @@ struct RowAttention {
       if constexpr (packed)
         if (i % 2 == 1) {
           const auto* a = reinterpret_cast<const uint16_t*>(to - Dp);
-          pack_pair(a, a + Dp, Dp, npad, i / 2, reinterpret_cast<uint16_t*>(v_packed));
+          pack_pair(a, a + Dp, Dp, npad, i / 2, reinterpret_cast<uint16_t*>(v_packed), vpanel);
         }
     }
   }
@@ -613,9 +672,9 @@ struct RowAttention {
       exp_and_sum(s, n, Hp, m, l);
       p_from_scores(n, npad);                        // P = round(e) to the query dtype, [Hp, npad]
     }
-    // O = P x V, one call per panel of V (up to PANEL columns) over all the row's keys
-    for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
-      const int64_t w = std::min(PANEL, Dp - d0);
+    // O = P x V, one call per panel of V (up to vpanel columns) over all the row's keys
+    for (int64_t d0 = 0; d0 < Dp; d0 += vpanel) {
+      const int64_t w = std::min(vpanel, Dp - d0);
       if constexpr (packed) {
         gemm(Hp, w, npad, npad, w, Dp, false, p, v_packed + d0 * npad, o + d0, true);
       } else {
@@ -980,8 +1039,8 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
         for (int64_t h = 0; h < Hp; ++h)
           for (int64_t j = 0; j < npad; ++j) ds_t[h * npad + j] = j < n ? ds_rows[j * Hp + h] : mm_t(0);
       }
-      for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
-        const int64_t w = std::min(PANEL, Dp - d0);
+      for (int64_t d0 = 0; d0 < Dp; d0 += work.vpanel) {
+        const int64_t w = std::min(work.vpanel, Dp - d0);
         if constexpr (packed)
           gemm(Hp, w, npad, npad, w, Dp, false, ds_t.data(), work.v_packed + d0 * npad, cq.data() + d0, true);
         else
@@ -1010,7 +1069,8 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
         }
       if constexpr (packed) {                                   // B = q, dO by head pairs
         const auto by_pairs = [&](const Buffer<mm_t>& plain, Buffer<mm_t>& pairs) {
-          pack_matrix(reinterpret_cast<const uint16_t*>(plain.data()), Hp, Dp, reinterpret_cast<uint16_t*>(pairs.data()));
+          pack_matrix(reinterpret_cast<const uint16_t*>(plain.data()), Hp, Dp, reinterpret_cast<uint16_t*>(pairs.data()),
+                      work.vpanel);
         };
         by_pairs(q_plain, q_pairs);
         by_pairs(do_plain, do_pairs);
@@ -1018,8 +1078,8 @@ void backward_rows(const at::Tensor& q, const at::Tensor& dout, const at::Tensor
       // C [m, Dp] = A [m, Hp] x B [Hp, Dp] for the m keys of one chunk
       auto dk_gemm = [&](int64_t m, const mm_t* a, const Buffer<mm_t>& b_plain, const Buffer<mm_t>& b_pairs,
                          float* c) {
-        for (int64_t d0 = 0; d0 < Dp; d0 += PANEL) {
-          const int64_t w = std::min(PANEL, Dp - d0);
+        for (int64_t d0 = 0; d0 < Dp; d0 += work.vpanel) {
+          const int64_t w = std::min(work.vpanel, Dp - d0);
           if constexpr (packed)
             gemm(m, w, Hp, Hp, w, Dp, false, a, b_pairs.data() + d0 * Hp, c + d0, true);
           else
@@ -1264,7 +1324,7 @@ c10::optional<bool> packed_layout_matches(int64_t K, int64_t N) {
   const auto B = at::randn({K, N}).to(at::kBFloat16).contiguous();
   const auto* b = reinterpret_cast<const uint16_t*>(B.data_ptr());
   std::vector<uint16_t> ours(K * N), theirs(K * N);
-  pack_matrix(b, K, N, ours.data());
+  pack_matrix(b, K, N, ours.data(), N);
   at::native::cpublas::pack(K, N, N, N, at::kBFloat16, at::kBFloat16, b, theirs.data());
   return ours == theirs;
 }
@@ -1277,14 +1337,16 @@ c10::optional<double> packed_gemm_error(int64_t M, int64_t K, int64_t N) {
   if (!dsattn_native::packed_gemm(at::kBFloat16)) return c10::nullopt;
   const bool any_width = dsattn_native::gemm_kind(at::kBFloat16) == dsattn_native::KIND_AVX512BF16;
   TORCH_CHECK(K % 2 == 0 && (N % 16 == 0 || any_width), "K even, N a multiple of 16 (any N on the vdpbf16ps path)");
+  TORCH_CHECK(M > 0 && N > 0 && K > 0, "M, N, K > 0");
   const auto A = at::randn({M, K}).to(at::kBFloat16).contiguous();
   const auto B = at::randn({K, N}).to(at::kBFloat16).contiguous();
   Buffer<uint16_t> packed(K * N);
-  pack_matrix(reinterpret_cast<const uint16_t*>(B.data_ptr()), K, N, packed.data());
+  const int64_t panel = dsattn_native::wide_panel<at::BFloat16>();
+  pack_matrix(reinterpret_cast<const uint16_t*>(B.data_ptr()), K, N, packed.data(), panel);
   auto C = at::empty({M, N}, at::kFloat);
   const auto* bp = reinterpret_cast<const at::BFloat16*>(packed.data());
-  for (int64_t d0 = 0; d0 < N; d0 += PANEL) {
-    const int64_t w = std::min(PANEL, N - d0);
+  for (int64_t d0 = 0; d0 < N; d0 += panel) {
+    const int64_t w = std::min(panel, N - d0);
     gemm(M, w, K, K, w, N, false, A.data_ptr<at::BFloat16>(), bp + d0 * K, C.data_ptr<float>() + d0, true);
   }
   dsattn_native::gemm_release<at::BFloat16>();

@@ -37,6 +37,17 @@ namespace dsattn_native {
 // test_native_kernels checks both: the layout against cpublas::pack, the GEMM against a matmul.
 constexpr int64_t PANEL = 512;
 
+// The panel width of a wide packed 16-bit B operand (V in P V, q and dO in the backward's dK): one
+// PANEL-wide panel for the AMX ukernel (above), 64-column strips for the AVX-512 paths (dsattn's
+// tiles and oneDNN's avx512_core_bf16 kernel), whose 6 x 64 register tiles then read a contiguous
+// strip: in a 512-wide panel a strip's 256 bytes per pair of K lie 2 KB apart, in 8 of L1's 64
+// sets, so every row tile streamed the strip from L2 again (Zen 4: P V at half the tile's rate).
+template <typename mm_t>
+int64_t wide_panel() {
+  if constexpr (std::is_same_v<mm_t, float>) return PANEL;     // (plain fp32 B: the width only splits calls)
+  else return gemm_kind(c10::CppTypeToScalarType<mm_t>::value) == KIND_AMX ? PANEL : 64;
+}
+
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Calls f(scalar_t(), mm_t()) for a query dtype: scalar_t the dtype, mm_t the GEMM operand type

@@ -1,13 +1,17 @@
 // The GEMMs of the compiled kernels, and which one runs.
 //
-// Every GEMM is C [M, N] (+)= A [M, K] B [K, N] with fp32 C.  Three paths:
+// Every GEMM is C [M, N] (+)= A [M, K] B [K, N] with fp32 C.  Four paths:
 //   amx         16-bit operands on ATen's batch-reduce ukernel (cpublas::brgemm, oneDNN), where
 //               cpublas::could_pack says the CPU multiplies them natively (AMX);
-//   avx512bf16  bf16 operands on our own micro-kernel over vdpbf16ps, where the CPU has AVX512-BF16
-//               but oneDNN's ukernel does not pack (Zen 4 / Zen 5 EPYC, Cooper Lake);
+//   avx512bf16  bf16 operands on dsattn's register-tiled micro-kernel over vdpbf16ps, where the CPU has
+//               AVX512-BF16 without AMX (Zen 4 / Zen 5 EPYC, Cooper Lake);
+//   onednn      bf16 operands on the same ATen ukernel without AMX: oneDNN JIT-compiles its
+//               avx512_core_bf16 kernel for any AVX512-BF16 CPU (only cpublas::pack needs AMX).  On
+//               such a CPU the process times both kernels once on the attention's own shapes and
+//               takes oneDNN's only where it is clearly faster (bf16_choice below);
 //   fp32        operands widened to fp32 as rows are read, on the ukernel's fp32 GEMM (AVX2, AVX-512F).
 // The 16-bit paths read the same operands: A row-major, B in pair-interleaved panels [K/2][w][2]
-// (ldb = w), so the kernels pack once whichever 16-bit path runs.  Both multiply exact bf16 products
+// (ldb = w), so the kernels pack once whichever 16-bit path runs.  All multiply exact bf16 products
 // and sum in fp32; only the summation order differs, and the golden's rounding points (which operand
 // is rounded to bf16 where) are the kernels' and the same on every path.
 #pragma once
@@ -19,15 +23,19 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace dsattn_native {
 
-enum GemmPath : int { GEMM_BEST = 0, GEMM_AVX512BF16 = 1, GEMM_FP32 = 2 };
+enum GemmPath : int { GEMM_BEST = 0, GEMM_AVX512BF16 = 1, GEMM_FP32 = 2, GEMM_ONEDNN = 3 };
 
 // The path the process asked for: the CPU's best (default), or one forced (DSATTN_NATIVE_GEMM, the
 // tests and the benchmarks: dsattn.native.gemm_path()).
@@ -41,75 +49,139 @@ inline bool cpu_has_avx512bf16() {
   return has;
 }
 
-enum GemmKind : int { KIND_AMX, KIND_AVX512BF16, KIND_FP32 };
+enum GemmKind : int { KIND_AMX, KIND_ONEDNN, KIND_AVX512BF16, KIND_FP32 };
+
+inline const char* gemm_kind_name(GemmKind kind) {
+  return kind == KIND_AMX ? "amx" : kind == KIND_ONEDNN ? "onednn" : kind == KIND_AVX512BF16 ? "avx512bf16" : "fp32";
+}
+
+// How dsattn's micro-kernel and oneDNN's bf16 ukernel compare on this CPU (AVX512-BF16 without AMX).
+struct Bf16Choice {
+  bool measured = false;       // false: not such a CPU (or no ATen ukernel in this torch)
+  bool onednn_runs = false;    // ATen's bf16 brgemm ran here and matched the micro-kernel
+  double own_gflops = 0.0, onednn_gflops = 0.0;   // one thread, operands in cache, the attention's shapes
+  bool onednn = false;         // the choice: oneDNN's (clearly faster) or ours
+  std::string why;
+};
+
+inline Bf16Choice measure_bf16_choice();   // below, after the kernels
+
+inline const Bf16Choice& bf16_choice() {
+  static const Bf16Choice choice = measure_bf16_choice();
+  return choice;
+}
 
 // Which GEMM a query dtype runs.
 inline GemmKind gemm_kind(at::ScalarType dt) {
   const int request = gemm_request().load(std::memory_order_relaxed);
   if (request == GEMM_FP32 || (dt != at::kBFloat16 && dt != at::kHalf)) return KIND_FP32;
   if (dt == at::kBFloat16 && request == GEMM_AVX512BF16) return cpu_has_avx512bf16() ? KIND_AVX512BF16 : KIND_FP32;
+  if (dt == at::kBFloat16 && request == GEMM_ONEDNN) return bf16_choice().onednn_runs ? KIND_ONEDNN : KIND_FP32;
   if (at::native::cpublas::could_pack(dt)) return KIND_AMX;
   // vdpbf16ps multiplies bf16 only; fp16 without a native ukernel takes the fp32 path
-  if (dt == at::kBFloat16 && cpu_has_avx512bf16()) return KIND_AVX512BF16;
+  if (dt == at::kBFloat16 && cpu_has_avx512bf16()) return bf16_choice().onednn ? KIND_ONEDNN : KIND_AVX512BF16;
   return KIND_FP32;
 }
 
-inline const char* gemm_kind_name(GemmKind kind) {
-  return kind == KIND_AMX ? "amx" : kind == KIND_AVX512BF16 ? "avx512bf16" : "fp32";
-}
-
-// Whether a dtype's GEMMs take 16-bit operands (either 16-bit path).
+// Whether a dtype's GEMMs take 16-bit operands (any 16-bit path).
 inline bool packed_gemm(at::ScalarType dt) { return gemm_kind(dt) != KIND_FP32; }
 
 // ---- the AVX512-BF16 micro-kernel ----
 //
-// A block of MR rows x 32 columns lives in 2 MR accumulators (16 for MR = 8); per pair of K it loads
-// two 16-column slices of B's pair panel and broadcasts each row's A pair (one 32-bit word) into
-// vdpbf16ps.  Columns past N are masked (loads zero, stores skipped).  Strips of 32 columns outside,
-// blocks of rows inside: a strip of B (K/2 x 128 bytes: 32 KB at K = 512) stays in L1 while the
-// rows stream past it.
-template <int MR>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void dpbf16_block(
-    int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool add_C,
-    __mmask16 m0, __mmask16 m1) {
-  __m512 acc[MR][2];
-  for (int i = 0; i < MR; ++i) {
-    acc[i][0] = add_C ? _mm512_maskz_loadu_ps(m0, C + i * ldc) : _mm512_setzero_ps();
-    acc[i][1] = add_C ? _mm512_maskz_loadu_ps(m1, C + i * ldc + 16) : _mm512_setzero_ps();
+// A tile of MR <= 6 rows x 16 NV <= 64 columns of C lives in MR x NV zmm accumulators (24 for the
+// full 6 x 64 tile, plus 4 B vectors and one broadcast: 29 of the 32 registers).  Per pair of K it
+// loads NV 16-column slices of B's pair panel and broadcasts each row's A pair (one 32-bit word)
+// into vdpbf16ps: 4 loads and 6 broadcasts per 24 products.  The last column slice is masked
+// (loads zero, stores skipped).
+//
+// The accumulators are named scalars (c<row><slice>), each used only under ``if constexpr``, so no
+// array of vectors exists for the compiler to keep in memory.  An __m512 acc[8][2] array, indexed
+// in loops, was kept on the stack by GCC 12 and written back on every K step (16 zmm stores per 16
+// vdpbf16ps): on Zen 4, which retires one 512-bit store every other cycle, that bound the GEMM to
+// under half the vdpbf16ps rate (85 against 228 GFLOP/s on one core).  test_native_kernels reads
+// the built layer's disassembly: no store inside any loop of these tiles.
+template <int MR, int NV>
+__attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dpbf16_tile(
+    int64_t K2, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool add_C,
+    __mmask16 tail) {
+  static_assert(MR >= 1 && MR <= 6 && NV >= 1 && NV <= 4, "a tile is at most 6 rows x 4 column slices");
+#define DSATTN_DP_MASK(v) ((v) == NV - 1 ? tail : __mmask16(0xFFFF))
+#define DSATTN_DP_ROW_DECL(r) \
+  __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps(), c##r##2 = _mm512_setzero_ps(), \
+         c##r##3 = _mm512_setzero_ps();
+#define DSATTN_DP_FOR_SLICES(op, r) op(r, 0) op(r, 1) op(r, 2) op(r, 3)
+#define DSATTN_DP_FOR_ROWS(op) op(0) op(1) op(2) op(3) op(4) op(5)
+#define DSATTN_DP_LOAD(r, v) \
+  if constexpr (MR > r && NV > v) c##r##v = _mm512_maskz_loadu_ps(DSATTN_DP_MASK(v), C + r * ldc + 16 * v);
+#define DSATTN_DP_LOAD_ROW(r) DSATTN_DP_FOR_SLICES(DSATTN_DP_LOAD, r)
+#define DSATTN_DP_FMA(r, v) \
+  if constexpr (NV > v) c##r##v = _mm512_dpbf16_ps(c##r##v, a, (__m512bh)b##v);
+#define DSATTN_DP_FMA_ROW(r)                                              \
+  if constexpr (MR > r) {                                                 \
+    uint32_t pair;                                                        \
+    std::memcpy(&pair, ar + r * lda, 4);                                  \
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)); \
+    DSATTN_DP_FOR_SLICES(DSATTN_DP_FMA, r)                                \
   }
-  const int64_t K2 = K / 2;
-  for (int64_t kp = 0; kp < K2; ++kp) {
-    const uint16_t* b = B + kp * ldb * 2;
-    const __m512i b0 = _mm512_maskz_loadu_epi32(m0, b), b1 = _mm512_maskz_loadu_epi32(m1, b + 32);
-    for (int i = 0; i < MR; ++i) {
-      uint32_t pair;
-      std::memcpy(&pair, A + i * lda + 2 * kp, 4);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, (__m512bh)b0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, (__m512bh)b1);
-    }
+#define DSATTN_DP_STORE(r, v) \
+  if constexpr (MR > r && NV > v) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, DSATTN_DP_MASK(v), c##r##v);
+#define DSATTN_DP_STORE_ROW(r) DSATTN_DP_FOR_SLICES(DSATTN_DP_STORE, r)
+  DSATTN_DP_FOR_ROWS(DSATTN_DP_ROW_DECL)
+  if (add_C) { DSATTN_DP_FOR_ROWS(DSATTN_DP_LOAD_ROW) }
+  const uint16_t* b = B;
+  const uint16_t* ar = A;
+  for (int64_t kp = 0; kp < K2; ++kp, b += 2 * ldb, ar += 2) {
+    const __m512i b0 = _mm512_maskz_loadu_epi32(DSATTN_DP_MASK(0), b);
+    __m512i b1 = b0, b2 = b0, b3 = b0;
+    if constexpr (NV > 1) b1 = _mm512_maskz_loadu_epi32(DSATTN_DP_MASK(1), b + 32);
+    if constexpr (NV > 2) b2 = _mm512_maskz_loadu_epi32(DSATTN_DP_MASK(2), b + 64);
+    if constexpr (NV > 3) b3 = _mm512_maskz_loadu_epi32(DSATTN_DP_MASK(3), b + 96);
+    DSATTN_DP_FOR_ROWS(DSATTN_DP_FMA_ROW)
   }
-  for (int i = 0; i < MR; ++i) {
-    _mm512_mask_storeu_ps(C + i * ldc, m0, acc[i][0]);
-    _mm512_mask_storeu_ps(C + i * ldc + 16, m1, acc[i][1]);
-  }
+  DSATTN_DP_FOR_ROWS(DSATTN_DP_STORE_ROW)
+#undef DSATTN_DP_MASK
+#undef DSATTN_DP_ROW_DECL
+#undef DSATTN_DP_FOR_SLICES
+#undef DSATTN_DP_FOR_ROWS
+#undef DSATTN_DP_LOAD
+#undef DSATTN_DP_LOAD_ROW
+#undef DSATTN_DP_FMA
+#undef DSATTN_DP_FMA_ROW
+#undef DSATTN_DP_STORE
+#undef DSATTN_DP_STORE_ROW
 }
+
+// Rows [0, M) of one strip of NV column slices: whole 6-row tiles, then one tile of the rest.
+template <int NV>
+void dpbf16_strip(int64_t M, int64_t K2, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C,
+                  int64_t ldc, bool add_C, __mmask16 tail) {
+  using Tile = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool, __mmask16);
+  static constexpr Tile tiles[7] = {nullptr,             dpbf16_tile<1, NV>, dpbf16_tile<2, NV>, dpbf16_tile<3, NV>,
+                                    dpbf16_tile<4, NV>, dpbf16_tile<5, NV>, dpbf16_tile<6, NV>};
+  for (int64_t r0 = 0; r0 < M; r0 += 6)
+    tiles[std::min<int64_t>(6, M - r0)](K2, A + r0 * lda, lda, B, ldb, C + r0 * ldc, ldc, add_C, tail);
+}
+
+// Strips of 64 columns outside, blocks of K inside them, 6-row tiles innermost: a block of a strip of
+// B (128 pairs of K x 256 bytes = 32 KB) stays in L1 / near while every row tile passes over it.  A
+// tile leaves its fp32 sums in C between blocks and takes them up again exactly, so the blocking
+// changes no bit of the result.  Zen 4, one core, operands in cache: blocks of 256 keys ran the
+// attention's shapes at 220-229 GFLOP/s, of 128 at 205-217 (each block reloads and stores the tile's
+// C and sets up its pointers again), unblocked 174-225 (P V with 32 rows lost its strip from L1).
+constexpr int64_t DPBF16_KBLOCK = 256;
 
 inline void dpbf16_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
                         const uint16_t* A, const uint16_t* B, float* C) {
-  using Block = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool,
-                         __mmask16, __mmask16);
-  static constexpr Block blocks[9] = {nullptr,          dpbf16_block<1>, dpbf16_block<2>, dpbf16_block<3>,
-                                      dpbf16_block<4>, dpbf16_block<5>, dpbf16_block<6>, dpbf16_block<7>,
-                                      dpbf16_block<8>};
+  using Strip = void (*)(int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool,
+                         __mmask16);
+  static constexpr Strip strips[5] = {nullptr, dpbf16_strip<1>, dpbf16_strip<2>, dpbf16_strip<3>, dpbf16_strip<4>};
   TORCH_CHECK(K % 2 == 0, "dpbf16_gemm: K must be even (B is in pairs of K), got ", K);
-  for (int64_t n0 = 0; n0 < N; n0 += 32) {
-    const int64_t cols = std::min<int64_t>(32, N - n0);
-    const __mmask16 m0 = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-    const __mmask16 m1 = cols >= 32 ? __mmask16(0xFFFF) : cols <= 16 ? __mmask16(0) : __mmask16((1u << (cols - 16)) - 1);
-    for (int64_t r0 = 0; r0 < M; r0 += 8) {
-      const int64_t rows = std::min<int64_t>(8, M - r0);
-      blocks[rows](K, A + r0 * lda, lda, B + n0 * 2, ldb, C + r0 * ldc + n0, ldc, add_C, m0, m1);
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    const int64_t cols = std::min<int64_t>(64, N - n0);
+    const __mmask16 tail = cols % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (cols % 16)) - 1);
+    for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += DPBF16_KBLOCK) {
+      const int64_t kc = std::min(DPBF16_KBLOCK, K - k0);
+      strips[(cols + 15) / 16](M, kc / 2, A + k0, lda, B + k0 * ldb + n0 * 2, ldb, C + n0, ldc, add_C || k0 > 0, tail);
     }
   }
 }
@@ -137,12 +209,97 @@ inline void gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int6
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, vnni);
 }
 
+// ---- timing the 16-bit kernels on the attention's shapes ----
+
+// Seconds of one C [M, N] = A [M, K] B [K, N] on random bf16 operands in cache, B in pair panels of
+// ``panel`` columns (ldb = panel), through ``kind`` (KIND_AVX512BF16 or a ukernel kind): the best of
+// ``trials`` runs of ``calls`` calls, on the calling thread.  C: where the last call's result goes
+// (M x N), or null.
+inline double gemm_seconds(GemmKind kind, int64_t M, int64_t N, int64_t K, int64_t panel, int calls = 8,
+                           int trials = 5, float* C_out = nullptr) {
+  std::vector<uint16_t> A(M * K), B(K * N);
+  uint32_t x = 12345u;
+  auto next = [&x]() {              // bf16 bits of a value in [-1, 1)
+    x = x * 1664525u + 1013904223u;
+    const float f = static_cast<float>(x >> 8) * 0x1p-23f - 1.0f;
+    return static_cast<uint16_t>(__builtin_bit_cast(uint32_t, f) >> 16);
+  };
+  for (auto& a : A) a = next();
+  for (auto& b : B) b = next();
+  std::vector<float> C(M * N);
+  auto call = [&]() {
+    for (int64_t d0 = 0; d0 < N; d0 += panel) {
+      const int64_t w = std::min(panel, N - d0);
+      const uint16_t* bp = B.data() + d0 * K;
+      if (kind == KIND_AVX512BF16)
+        dpbf16_gemm(M, w, K, K, w, N, false, A.data(), bp, C.data() + d0);
+      else
+        at::native::cpublas::brgemm(M, w, K, K, w, N, false, reinterpret_cast<const c10::BFloat16*>(A.data()),
+                                    reinterpret_cast<const c10::BFloat16*>(bp), C.data() + d0, true);
+    }
+  };
+  call();
+  double best = 1e30;
+  for (int t = 0; t < trials; ++t) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int c = 0; c < calls; ++c) call();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / calls);
+  }
+  if (kind != KIND_AVX512BF16) at::native::cpublas::brgemm_release(true);
+  if (C_out != nullptr) std::copy(C.begin(), C.end(), C_out);
+  return best;
+}
+
+// The attention's GEMMs of one V4 query row: S^T of a ring chunk (128 keys x 64 heads, K 512) and
+// P V (64 heads x 512 dims in 64-column strips, K 640 keys).
+inline double attention_shapes_seconds(GemmKind kind) {
+  return gemm_seconds(kind, 128, 64, 512, 64) * 5 + gemm_seconds(kind, 64, 512, 640, 64);
+}
+
+inline Bf16Choice measure_bf16_choice() {
+  Bf16Choice c;
+  if (at::native::cpublas::could_pack(at::kBFloat16) || !cpu_has_avx512bf16()) return c;
+  c.measured = true;
+  // oneDNN's ukernel on bf16 without AMX: it must run, and agree with the micro-kernel (same
+  // products, fp32 sums in another order) before its speed counts
+  const int64_t M = 64, N = 64, K = 512;
+  std::vector<float> own(M * N), theirs(M * N);
+  gemm_seconds(KIND_AVX512BF16, M, N, K, 64, 1, 1, own.data());
+  try {
+    gemm_seconds(KIND_ONEDNN, M, N, K, 64, 1, 1, theirs.data());
+    double err = 0.0;
+    for (int64_t i = 0; i < M * N; ++i) err = std::max(err, double(std::fabs(own[i] - theirs[i])));
+    c.onednn_runs = err <= 1e-3;      // |C| ~ 10 for these operands: reassociation is ~1e-5
+    if (!c.onednn_runs) c.why = "oneDNN's bf16 ukernel disagreed with the micro-kernel";
+  } catch (const std::exception& e) {
+    c.why = std::string("oneDNN's bf16 ukernel does not run here: ") + e.what();
+  }
+  const double flops = 2.0 * (5 * 128 * 64 * 512 + 64 * 512 * 640);
+  c.own_gflops = flops / attention_shapes_seconds(KIND_AVX512BF16) / 1e9;
+  if (c.onednn_runs) {
+    c.onednn_gflops = flops / attention_shapes_seconds(KIND_ONEDNN) / 1e9;
+    // A clear margin: on Zen 4 the two run these shapes within 2-5 % of each other in cache, where a
+    // noisy timing must not flip the choice (and the sums' order) from one process to the next, and
+    // in the whole kernel the micro-kernel was as fast at B 32 and faster at B 1 (oneDNN's per-call
+    // cost: one-request HCA decode 0.34 ms against 0.58).
+    c.onednn = c.onednn_gflops > 1.10 * c.own_gflops;
+  }
+  if (c.why.empty())
+    c.why = c.onednn ? "oneDNN's avx512_core_bf16 ukernel is over 10 % faster on the attention's shapes"
+                     : "the micro-kernel is within 10 % of oneDNN's avx512_core_bf16 ukernel or faster";
+  return c;
+}
+
 // After a thread's last 16-bit GEMM: the AMX ukernel releases its tile configuration.
 template <typename mm_t>
 void gemm_release() {
   if constexpr (!std::is_same_v<mm_t, float>)
     if (gemm_kind(c10::CppTypeToScalarType<mm_t>::value) == KIND_AMX) at::native::cpublas::brgemm_release(true);
 }
+
+#else   // !DSATTN_HAVE_BRGEMM: no ukernel to compare with, and no kernel that multiplies
+
+inline Bf16Choice measure_bf16_choice() { return Bf16Choice{}; }
 
 #endif  // DSATTN_HAVE_BRGEMM
 

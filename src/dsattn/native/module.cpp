@@ -62,17 +62,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernels_available", [] { return bool(DSATTN_HAVE_BRGEMM); },
         "whether this torch exports the batch-reduce GEMM the attention and indexer kernels run on");
   m.def("set_gemm_path", [](const std::string& path) {
-          TORCH_CHECK_VALUE(path == "best" || path == "avx512bf16" || path == "fp32",
-                            "gemm path: expected 'best', 'avx512bf16' or 'fp32', got '", path, "'");
+          TORCH_CHECK_VALUE(path == "best" || path == "avx512bf16" || path == "onednn" || path == "fp32",
+                            "gemm path: expected 'best', 'avx512bf16', 'onednn' or 'fp32', got '", path, "'");
           TORCH_CHECK_VALUE(path != "avx512bf16" || dsattn_native::cpu_has_avx512bf16(),
                             "gemm path 'avx512bf16': this CPU has no AVX512-BF16");
-          dsattn_native::gemm_request().store(path == "best" ? dsattn_native::GEMM_BEST
-                                              : path == "fp32" ? dsattn_native::GEMM_FP32
-                                                               : dsattn_native::GEMM_AVX512BF16);
+          TORCH_CHECK_VALUE(path != "onednn" || dsattn_native::bf16_choice().onednn_runs,
+                            "gemm path 'onednn' (oneDNN's avx512_core_bf16 ukernel without AMX): ",
+                            at::native::cpublas::could_pack(at::kBFloat16)
+                                ? "this CPU has AMX, whose oneDNN kernel is its 'best' path"
+                                : !dsattn_native::cpu_has_avx512bf16() ? "this CPU has no AVX512-BF16"
+                                                                       : dsattn_native::bf16_choice().why);
+          dsattn_native::gemm_request().store(path == "best"     ? dsattn_native::GEMM_BEST
+                                              : path == "fp32"   ? dsattn_native::GEMM_FP32
+                                              : path == "onednn" ? dsattn_native::GEMM_ONEDNN
+                                                                 : dsattn_native::GEMM_AVX512BF16);
         },
-        "the GEMM path: the CPU's best (AMX -> AVX512-BF16 -> fp32), or one forced on any CPU that has it");
+        "the GEMM path: the CPU's best (AMX -> AVX512-BF16, ours or oneDNN's -> fp32), or one forced on any CPU "
+        "that has it");
+  m.def("bf16_gemm_choice", [] {
+          const auto& c = dsattn_native::bf16_choice();
+          pybind11::dict d;
+          d["measured"] = c.measured;
+          d["onednn_runs"] = c.onednn_runs;
+          d["own_gflops"] = c.own_gflops;
+          d["onednn_gflops"] = c.onednn_gflops;
+          d["chosen"] = c.measured ? (c.onednn ? "onednn" : "avx512bf16") : "";
+          d["why"] = c.why;
+          return d;
+        },
+        "AVX512-BF16 CPUs without AMX: the micro-kernel and oneDNN's bf16 ukernel timed once on the attention's "
+        "shapes (one thread, GFLOP/s) and which the process runs");
+  m.def("gemm_gflops", [](const std::string& path, int64_t M, int64_t N, int64_t K, int64_t panel) -> double {
+          TORCH_CHECK_VALUE(path == "avx512bf16" || path == "onednn", "gemm_gflops: path 'avx512bf16' or 'onednn'");
+          TORCH_CHECK_VALUE(path != "avx512bf16" || dsattn_native::cpu_has_avx512bf16(), "this CPU has no AVX512-BF16");
+          TORCH_CHECK_VALUE(M > 0 && N > 0 && K > 0 && K % 2 == 0 && panel > 0, "M, N, K, panel > 0 and K even");
+#if DSATTN_HAVE_BRGEMM
+          const auto kind = path == "onednn" ? dsattn_native::KIND_ONEDNN : dsattn_native::KIND_AVX512BF16;
+          return 2.0 * M * N * K / dsattn_native::gemm_seconds(kind, M, N, K, panel) / 1e9;
+#else
+          TORCH_CHECK(false, "this torch has no cpublas::brgemm");
+#endif
+        },
+        "GFLOP/s of one bf16 GEMM shape on this thread, operands in cache, B in pair panels of `panel` columns");
   m.def("cpu_has_avx512bf16", &dsattn_native::cpu_has_avx512bf16, "whether this CPU has AVX512-BF16 (vdpbf16ps)");
-  m.def("attention_gemm", &attention_gemm, "which GEMM the kernels run for a query dtype: amx, avx512bf16 or fp32");
+  m.def("attention_gemm", &attention_gemm, "which GEMM the kernels run for a query dtype: amx, avx512bf16, onednn or fp32");
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
   m.def("packed_gemm_error", &packed_gemm_error, "test hook: a GEMM through our packed panels against an fp64 matmul");
   m.def("fp8_decode_matches", &fp8_decode_matches, "test hook: the packed rows' fp8 decode equals c10's for all 256 codes");

@@ -1,0 +1,150 @@
+"""The AVX512-BF16 GEMM micro-kernel as built: its inner loops keep the accumulators in registers, and
+the GEMM paths an AVX512-BF16 CPU can take (the micro-kernel, oneDNN's avx512_core_bf16 ukernel) agree.
+
+The disassembly check reads the compiled layer this process loaded: a loop of a ``dpbf16_tile`` that
+holds ``vdpbf16ps`` must store nothing (an accumulator array kept in memory shows up as one zmm store
+per accumulator and K step, which halves the rate on CPUs that retire a 512-bit store every other
+cycle, Zen 4 among them)."""
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from dsattn import native
+
+_LINE = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
+_NOT_STORES = ("cmp", "test", "prefetch", "vcomi", "vucomi", "bt", "nop")
+
+
+def _functions(disassembly: str, name: str) -> dict[str, list[tuple[int, str, str]]]:
+    """Each function whose demangled name contains ``name``: its (address, mnemonic, operands) lines."""
+    out, current = {}, None
+    for line in disassembly.splitlines():
+        head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if head:
+            current = head.group(1) if name in head.group(1) else None
+            if current is not None:
+                out[current] = []
+            continue
+        m = _LINE.match(line)
+        if current is not None and m:
+            out[current].append((int(m.group(1), 16), m.group(2), m.group(3)))
+    return out
+
+
+def _loops(body):
+    """The instructions of each loop: from a conditional backward jump's target to the jump (GCC closes
+    a loop with a conditional jump; a backward ``jmp`` is a branch rejoining the straight path)."""
+    for addr, op, args in body:
+        if op.startswith("j") and op != "jmp":
+            target = re.match(r"([0-9a-f]+)\b", args)
+            if target and int(target.group(1), 16) <= addr:
+                start = int(target.group(1), 16)
+                yield [x for x in body if start <= x[0] <= addr]
+
+
+def _stores(loop):
+    """Instructions that write memory: a memory first operand (Intel syntax), other than a compare."""
+    return [x for x in loop if "PTR [" in x[2].split(",")[0] and not x[1].startswith(_NOT_STORES)]
+
+
+def loop_report(disassembly: str, name: str = "dpbf16_tile") -> dict[str, tuple[int, list]]:
+    """Per function: how many of its loops run vdpbf16ps, and the stores inside those loops."""
+    report = {}
+    for fn, body in _functions(disassembly, name).items():
+        fma_loops = [loop for loop in _loops(body) if any(op == "vdpbf16ps" for _, op, _ in loop)]
+        report[fn] = (len(fma_loops), [s for loop in fma_loops for s in _stores(loop)])
+    return report
+
+
+def _disassemble(path: str) -> str:
+    return subprocess.run([shutil.which("objdump"), "-d", "-C", "--no-show-raw-insn", "-M", "intel", path],
+                          capture_output=True, text=True, check=True, timeout=300).stdout
+
+
+def test_the_micro_kernel_loops_store_no_accumulator(native_module):
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump (binutils) is not installed: the built layer's loops cannot be read")
+    report = loop_report(_disassemble(native_module.__file__))
+    # every tile shape the GEMM dispatches to: 1-6 rows x 1-4 column slices
+    assert len(report) == 24, sorted(report)
+    for fn, (fma_loops, stores) in report.items():
+        assert fma_loops >= 1, f"{fn}: no loop with vdpbf16ps found (inlined or renamed?)"
+        assert not stores, f"{fn}: stores inside its vdpbf16ps loop: {stores[:4]}"
+
+
+def test_the_loop_check_finds_stores_of_an_accumulator_array():
+    # the check itself, on the loop GCC 12 made of the previous kernel's acc[8][2] array: one zmm
+    # store per accumulator inside the loop (abridged to two)
+    text = """0000000000001000 <void dsattn_native::dpbf16_tile<8, 2>(long)>:
+    1000:	vpbroadcastd zmm1,DWORD PTR [rax]
+    1006:	vdpbf16ps zmm2,zmm1,zmm0
+    100c:	vmovaps ZMMWORD PTR [rsp+0x40],zmm2
+    1014:	vdpbf16ps zmm3,zmm1,zmm4
+    101a:	vmovaps ZMMWORD PTR [rsp+0x80],zmm3
+    1022:	cmp    QWORD PTR [rsp+0x8],rcx
+    1027:	jne    1000 <void dsattn_native::dpbf16_tile<8, 2>(long)+0x0>
+    102d:	vmovups ZMMWORD PTR [r9],zmm2
+"""
+    (fma_loops, stores), = loop_report(text).values()
+    assert fma_loops == 1 and [s[0] for s in stores] == [0x100C, 0x101A]
+
+
+def _has_onednn(module) -> bool:
+    return module is not None and module.bf16_gemm_choice()["onednn_runs"]
+
+
+@pytest.mark.parametrize("M, K, N", [(9, 14, 40), (17, 66, 1), (8, 130, 17), (1, 512, 64), (64, 640, 512),
+                                     (128, 512, 64), (7, 258, 130)])
+@pytest.mark.parametrize("path", ["avx512bf16", "onednn"])
+def test_each_bf16_gemm_path_is_a_matmul(native_module, request, path, M, K, N):
+    # a GEMM through the packed panels the kernels write, on each 16-bit path this CPU has, against an
+    # fp64 matmul of the same bf16 values; odd widths exercise the masked slices and K blocks
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    if path == "avx512bf16" and not native_module.cpu_has_avx512bf16():
+        pytest.skip("this CPU has no AVX512-BF16")
+    if path == "onednn" and not _has_onednn(native_module):
+        pytest.skip("oneDNN's bf16 ukernel without AMX does not run here")
+    if path == "onednn" and N % 16:
+        pytest.skip("the ukernel reads panels of a multiple of 16 columns (the kernels pack no other)")
+    native_module.set_gemm_path(path)
+    request.addfinalizer(lambda: native_module.set_gemm_path(native.gemm_requested()))
+    assert native_module.attention_gemm("bfloat16") == path
+    err = native_module.packed_gemm_error(M, K, N)
+    assert err is not None and err <= K * 2.0 ** -24, err
+
+
+def test_the_bf16_choice_is_measured_once_and_reported(native_module):
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    c = native_module.bf16_gemm_choice()
+    assert native_module.bf16_gemm_choice() == c                     # decided once per process
+    if not c["measured"]:                                            # AMX, or no AVX512-BF16
+        assert c["chosen"] == "" and native_module.attention_gemm("bfloat16") in ("amx", "fp32")
+        with pytest.raises(ValueError, match="gemm path 'onednn'"):
+            native_module.set_gemm_path("onednn")
+        return
+    assert c["own_gflops"] > 0 and c["chosen"] in ("avx512bf16", "onednn") and c["why"]
+    assert (c["chosen"] == "onednn") == (c["onednn_runs"] and c["onednn_gflops"] > 1.10 * c["own_gflops"])
+    if native.gemm_requested() == "best":
+        assert native_module.attention_gemm("bfloat16") == c["chosen"]
+    from dsattn.which import describe
+    line = next(x for x in describe().splitlines() if x.startswith("CPU attention forward"))
+    assert f"the process runs {c['chosen']}" in line and "GFLOP/s" in line
+
+
+@pytest.mark.parametrize("path", ["avx512bf16", "onednn"])
+def test_gemm_gflops_checks_its_arguments(native_module, path):
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    with pytest.raises(ValueError, match="K even"):
+        native_module.gemm_gflops("avx512bf16", 4, 4, 3, 64)
+    with pytest.raises(ValueError, match="path 'avx512bf16' or 'onednn'"):
+        native_module.gemm_gflops("amx", 4, 4, 4, 64)
+    if path == "avx512bf16" and native_module.cpu_has_avx512bf16() or path == "onednn" and _has_onednn(native_module):
+        assert native_module.gemm_gflops(path, 12, 64, 64, 64) > 0
