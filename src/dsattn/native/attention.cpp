@@ -269,22 +269,25 @@ void dequant_tile_fp8_scalar(const uint8_t* __restrict__ x, int64_t n, float sca
   for (int64_t d = 0; d < n; ++d) out[d] = fp8_e4m3fn_float(x[d]) * scale;
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-void dequant_tile_fp8_avx512(const uint8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
-  const __m512 vs = _mm512_set1_ps(scale), sub_unit = _mm512_set1_ps(0x1p-9f);
+// 16 fp8 e4m3fn codes -> their exact fp32 values (the steps of fp8_e4m3fn_float, 16 lanes at a time).
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 fp8x16_float_avx512(const uint8_t* x) {
+  const __m512 sub_unit = _mm512_set1_ps(0x1p-9f);
   const __m512i low7 = _mm512_set1_epi32(0x7F), bias = _mm512_set1_epi32(120 << 23), eight = _mm512_set1_epi32(8),
                 nan = _mm512_set1_epi32(0x7FC00000), sign = _mm512_set1_epi32(0x80);
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  const __m512i em = _mm512_and_si512(b, low7);
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 20), bias);
+  const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(em), sub_unit));
+  __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(em, eight), sub, normal);
+  bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(em, low7), bits, nan);
+  return _mm512_castsi512_ps(_mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(b, sign), 24)));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void dequant_tile_fp8_avx512(const uint8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
+  const __m512 vs = _mm512_set1_ps(scale);
   int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
-    const __m512i em = _mm512_and_si512(b, low7);
-    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 20), bias);
-    const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(em), sub_unit));
-    __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(em, eight), sub, normal);
-    bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(em, low7), bits, nan);
-    bits = _mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(b, sign), 24));
-    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_castsi512_ps(bits), vs));
-  }
+  for (; d + 16 <= n; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(fp8x16_float_avx512(x + d), vs));
   dequant_tile_fp8_scalar(x + d, n - d, scale, out + d);
 }
 
@@ -313,20 +316,11 @@ void dequant_tile_fp8_avx2(const uint8_t* __restrict__ x, int64_t n, float scale
 // round_to_bf16 (the same fp32 product, the same rounding; test hook fp8_decode_matches).
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void dequant_tile_fp8_bf16_avx512(const uint8_t* __restrict__ x, int64_t n, float scale, uint16_t* __restrict__ out) {
-  const __m512 vs = _mm512_set1_ps(scale), sub_unit = _mm512_set1_ps(0x1p-9f);
-  const __m512i low7 = _mm512_set1_epi32(0x7F), bias = _mm512_set1_epi32(120 << 23), eight = _mm512_set1_epi32(8),
-                nan = _mm512_set1_epi32(0x7FC00000), sign = _mm512_set1_epi32(0x80), one = _mm512_set1_epi32(1),
-                half = _mm512_set1_epi32(0x7FFF), bf16_nan = _mm512_set1_epi32(0x7FC0);
+  const __m512 vs = _mm512_set1_ps(scale);
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), bf16_nan = _mm512_set1_epi32(0x7FC0);
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
-    const __m512i em = _mm512_and_si512(b, low7);
-    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 20), bias);
-    const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(em), sub_unit));
-    __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(em, eight), sub, normal);
-    bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(em, low7), bits, nan);
-    bits = _mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(b, sign), 24));
-    const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), vs);
+    const __m512 v = _mm512_mul_ps(fp8x16_float_avx512(x + d), vs);
     const __m512i u = _mm512_castps_si512(v);
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
     r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, bf16_nan);
