@@ -37,7 +37,7 @@ def run(query, key, value, sparse_indices, scale_value, kw: dict, want_stats: bo
             or use_triton(query.device) or not content_checks_enabled(query)):
         return None
     module = native.kernels()
-    tokens = PackedTokens.from_rows(key, rope, TILE_SIZE, query.dtype) if module is not None else None
+    tokens = PackedTokens.row_fields(key, rope, TILE_SIZE, query.dtype) if module is not None else None
     if tokens is None:
         return None
     tnd = kw.get("layout_query", "BSND") == "TND"
@@ -47,7 +47,7 @@ def run(query, key, value, sparse_indices, scale_value, kw: dict, want_stats: bo
     stats = torch.empty(2, R, H, dtype=torch.float32)
     taken = module.qsfa_paged(out, stats, query, key, sparse_indices, kw.get("block_table"),
                               kw.get("actual_seq_lengths_query"), kw.get("actual_seq_lengths_kv"), kw.get("sinks"),
-                              float(scale_value), block, kw.get("sparse_mode", 3) == 3, tnd, tokens.fields())
+                              float(scale_value), block, kw.get("sparse_mode", 3) == 3, tnd, [int(f) for f in tokens])
     if not taken:
         return None
     if not want_stats:

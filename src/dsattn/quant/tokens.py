@@ -57,13 +57,20 @@ class PackedTokens:
     def from_rows(rows: torch.Tensor, rope_head_dim: int, tile: int, q_dtype: torch.dtype) -> "PackedTokens | None":
         """dsattn's packed rows ``[..., W]`` (int8 / fp8 payload, rope 16-bit, fp32 scales), token =
         row in row-major order; None where the rows do not lie one after another."""
+        fields = PackedTokens.row_fields(rows, rope_head_dim, tile, q_dtype)
+        return None if fields is None else PackedTokens(rows.view(torch.uint8).reshape(-1), *fields)
+
+    @staticmethod
+    def row_fields(rows: torch.Tensor, rope_head_dim: int, tile: int, q_dtype: torch.dtype) -> tuple | None:
+        """:meth:`from_rows`' fields after ``data`` (its :meth:`fields`), without making the byte view: the
+        compiled steps, which take the rows themselves, need only these (a one-request decode step's
+        Python is a good part of its time)."""
         W = rows.size(-1)
         if not rows.is_contiguous():
             return None
         N = nope_width(W, rope_head_dim, tile)
-        return PackedTokens(rows.view(torch.uint8).reshape(-1), rows.numel() // max(W, 1), N, rope_head_dim, tile,
-                            rows.dtype == FP8, False, rope_bytes_dtype(q_dtype) == torch.float16, 1, W, 0, 0, N,
-                            N + 2 * rope_head_dim, 0)
+        return (rows.numel() // max(W, 1), N, rope_head_dim, tile, rows.dtype == FP8, False,
+                rope_bytes_dtype(q_dtype) == torch.float16, 1, W, 0, 0, N, N + 2 * rope_head_dim, 0)
 
     @staticmethod
     def from_flashmla(cache: torch.Tensor, name: str = "k_cache") -> "PackedTokens":

@@ -80,8 +80,8 @@ def _formats(packed, q, ori_kv, cmp_kv) -> list | None:
             packed.check(name, kv, q.size(-1))
         except (TypeError, ValueError):
             return None
-        tokens = PackedTokens.from_rows(kv, packed.rope_head_dim, packed.tile_size, q.dtype)
+        tokens = PackedTokens.row_fields(kv, packed.rope_head_dim, packed.tile_size, q.dtype)
         if tokens is None:
             return None
-        fields.append(tokens.fields())
+        fields.append([int(f) for f in tokens])
     return fields
