@@ -450,12 +450,14 @@ struct RowAttention {
   bool fp8_to_bf16_in_registers = cpu_has_avx512bw();   // (AVX-512 BW: the fused fp8 -> bf16 decode)
   mm_t *keys, *ring, *q_b, *v_packed, *p;           // per-thread buffers (Workspace)
   float *s, *o, *m, *l, *inv, *vals;
+  const char** lines;
 
   // Buffers that live as long as the thread: grown when a call needs more, never cleared (every
   // element a row reads is written first).
   struct Workspace {
     Buffer<mm_t> keys, ring, q_b, v_packed, p;
     Buffer<float> s, o, m, l, inv, vals;
+    Buffer<const char*> lines;
   };
 
   template <typename T>
@@ -479,6 +481,34 @@ struct RowAttention {
     l = sized(ws.l, Hp);
     inv = sized(ws.inv, Hp);
     vals = sized(ws.vals, Dp);
+    lines = packed ? sized(ws.lines, RING * lines_per_key(Dp)) : nullptr;
+  }
+
+  // The most cache lines key_lines lists for one key: a plain row's, or a packed token's payload,
+  // rope and scales (each part possibly straddling one more line).
+  static constexpr int64_t lines_per_key(int64_t Dp) { return (Dp * int64_t(sizeof(scalar_t)) + 63) / 64 + 6; }
+
+  static const char** span_lines(const void* p, int64_t bytes, const char** at) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t b = 0; b < bytes; b += 64) *at++ = c + b;
+    if (bytes > 0 && (reinterpret_cast<uintptr_t>(c) & 63) != 0) *at++ = c + bytes - 1;
+    return at;
+  }
+  const char** key_lines(const scalar_t* row, const char** at) const { return span_lines(row, D * sizeof(scalar_t), at); }
+  const char** key_lines(const KeyRef& k, const char** at) const {
+    if (k.fmt == nullptr) return key_lines(reinterpret_cast<const scalar_t*>(k.payload), at);
+    at = span_lines(k.payload, k.fmt->N, at);
+    at = span_lines(k.rope, 2 * k.fmt->R, at);
+    *at++ = reinterpret_cast<const char*>(k.scales);
+    return at;
+  }
+
+  // the cache lines of the row's keys [i0, i1) (those it has), for a GEMM to prefetch as it runs
+  template <typename Key>
+  dsattn_native::LinePrefetch key_lines(const std::vector<Key>& rows, int64_t i0, int64_t i1) const {
+    const char** at = lines;
+    for (int64_t i = i0; i < std::min<int64_t>(i1, rows.size()); ++i) at = key_lines(rows[i], at);
+    return dsattn_native::LinePrefetch{lines, at};
   }
 
   static inline mm_t as_operand(scalar_t x) { return static_cast<mm_t>(static_cast<float>(x)); }
@@ -588,9 +618,11 @@ struct RowAttention {
       for (int64_t c0 = 0; c0 < npad; c0 += RING) {
         const int64_t m = std::min(RING, npad - c0);
         gather(rows, npad, c0, c0 + m, ring);
+        // the next chunk's keys come into L2 while this chunk is multiplied (the micro-kernel's path)
+        dsattn_native::LinePrefetch next = key_lines(rows, c0 + m, c0 + m + RING);
         for (int64_t h0 = 0; h0 < Hp; h0 += PANEL)
           gemm(m, std::min(PANEL, Hp - h0), Dp, Dp, std::min(PANEL, Hp - h0), Hp, false, ring, q_b + h0 * Dp,
-                 s + c0 * Hp + h0, true);
+                 s + c0 * Hp + h0, true, &next);
       }
     } else {
       gather(rows, npad);

@@ -86,6 +86,15 @@ inline GemmKind gemm_kind(at::ScalarType dt) {
 // Whether a dtype's GEMMs take 16-bit operands (any 16-bit path).
 inline bool packed_gemm(at::ScalarType dt) { return gemm_kind(dt) != KIND_FP32; }
 
+// Cache lines for a GEMM to prefetch (into L2) while it multiplies: the next keys of a gather.  The
+// gather of a decode row is bound by the misses a core keeps in flight (its prefetches stall once they
+// are all in use); issued one per K step of the micro-kernel's tiles, the misses overlap the products
+// instead.  The ukernel paths (AMX, oneDNN) leave the list alone.
+struct LinePrefetch {
+  const char* const* next = nullptr;
+  const char* const* end = nullptr;
+};
+
 // ---- the AVX512-BF16 micro-kernel ----
 //
 // A tile of MR <= 6 rows x 16 NV <= 64 columns of C lives in MR x NV zmm accumulators (24 for the
@@ -103,7 +112,7 @@ inline bool packed_gemm(at::ScalarType dt) { return gemm_kind(dt) != KIND_FP32; 
 template <int MR, int NV>
 __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dpbf16_tile(
     int64_t K2, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool add_C,
-    __mmask16 tail) {
+    __mmask16 tail, LinePrefetch* pf) {
   static_assert(MR >= 1 && MR <= 6 && NV >= 1 && NV <= 4, "a tile is at most 6 rows x 4 column slices");
 #define DSATTN_DP_MASK(v) ((v) == NV - 1 ? tail : __mmask16(0xFFFF))
 #define DSATTN_DP_ROW_DECL(r) \
@@ -130,7 +139,10 @@ __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) void d
   if (add_C) { DSATTN_DP_FOR_ROWS(DSATTN_DP_LOAD_ROW) }
   const uint16_t* b = B;
   const uint16_t* ar = A;
+  const char* const* pf_next = pf->next;
+  const char* const* const pf_end = pf->end;
   for (int64_t kp = 0; kp < K2; ++kp, b += 2 * ldb, ar += 2) {
+    if (pf_next != pf_end) _mm_prefetch(*pf_next++, _MM_HINT_T1);
     const __m512i b0 = _mm512_maskz_loadu_epi32(DSATTN_DP_MASK(0), b);
     __m512i b1 = b0, b2 = b0, b3 = b0;
     if constexpr (NV > 1) b1 = _mm512_maskz_loadu_epi32(DSATTN_DP_MASK(1), b + 32);
@@ -138,6 +150,7 @@ __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) void d
     if constexpr (NV > 3) b3 = _mm512_maskz_loadu_epi32(DSATTN_DP_MASK(3), b + 96);
     DSATTN_DP_FOR_ROWS(DSATTN_DP_FMA_ROW)
   }
+  pf->next = pf_next;
   DSATTN_DP_FOR_ROWS(DSATTN_DP_STORE_ROW)
 #undef DSATTN_DP_MASK
 #undef DSATTN_DP_ROW_DECL
@@ -154,12 +167,13 @@ __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) void d
 // Rows [0, M) of one strip of NV column slices: whole 6-row tiles, then one tile of the rest.
 template <int NV>
 void dpbf16_strip(int64_t M, int64_t K2, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C,
-                  int64_t ldc, bool add_C, __mmask16 tail) {
-  using Tile = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool, __mmask16);
+                  int64_t ldc, bool add_C, __mmask16 tail, LinePrefetch* pf) {
+  using Tile = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool, __mmask16,
+                        LinePrefetch*);
   static constexpr Tile tiles[7] = {nullptr,             dpbf16_tile<1, NV>, dpbf16_tile<2, NV>, dpbf16_tile<3, NV>,
                                     dpbf16_tile<4, NV>, dpbf16_tile<5, NV>, dpbf16_tile<6, NV>};
   for (int64_t r0 = 0; r0 < M; r0 += 6)
-    tiles[std::min<int64_t>(6, M - r0)](K2, A + r0 * lda, lda, B, ldb, C + r0 * ldc, ldc, add_C, tail);
+    tiles[std::min<int64_t>(6, M - r0)](K2, A + r0 * lda, lda, B, ldb, C + r0 * ldc, ldc, add_C, tail, pf);
 }
 
 // Strips of 64 columns outside, blocks of K inside them, 6-row tiles innermost: a block of a strip of
@@ -171,9 +185,11 @@ void dpbf16_strip(int64_t M, int64_t K2, const uint16_t* A, int64_t lda, const u
 constexpr int64_t DPBF16_KBLOCK = 256;
 
 inline void dpbf16_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
-                        const uint16_t* A, const uint16_t* B, float* C) {
+                        const uint16_t* A, const uint16_t* B, float* C, LinePrefetch* pf = nullptr) {
   using Strip = void (*)(int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool,
-                         __mmask16);
+                         __mmask16, LinePrefetch*);
+  LinePrefetch none;
+  if (pf == nullptr) pf = &none;
   static constexpr Strip strips[5] = {nullptr, dpbf16_strip<1>, dpbf16_strip<2>, dpbf16_strip<3>, dpbf16_strip<4>};
   TORCH_CHECK(K % 2 == 0, "dpbf16_gemm: K must be even (B is in pairs of K), got ", K);
   for (int64_t n0 = 0; n0 < N; n0 += 64) {
@@ -181,7 +197,8 @@ inline void dpbf16_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ld
     const __mmask16 tail = cols % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (cols % 16)) - 1);
     for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += DPBF16_KBLOCK) {
       const int64_t kc = std::min(DPBF16_KBLOCK, K - k0);
-      strips[(cols + 15) / 16](M, kc / 2, A + k0, lda, B + k0 * ldb + n0 * 2, ldb, C + n0, ldc, add_C || k0 > 0, tail);
+      strips[(cols + 15) / 16](M, kc / 2, A + k0, lda, B + k0 * ldb + n0 * 2, ldb, C + n0, ldc, add_C || k0 > 0, tail,
+                               pf);
     }
   }
 }
@@ -191,21 +208,21 @@ inline void dpbf16_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ld
 //
 // gemm(...) has cpublas::brgemm's arguments; 16-bit operands take B as pair panels (vnni).
 inline void gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C, const float* A,
-                 const float* B, float* C, bool /*vnni: fp32 B is plain*/) {
+                 const float* B, float* C, bool /*vnni: fp32 B is plain*/, LinePrefetch* = nullptr) {
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, false);
 }
 
 inline void gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
-                 const c10::BFloat16* A, const c10::BFloat16* B, float* C, bool vnni) {
+                 const c10::BFloat16* A, const c10::BFloat16* B, float* C, bool vnni, LinePrefetch* pf = nullptr) {
   if (gemm_kind(at::kBFloat16) == KIND_AVX512BF16)
     dpbf16_gemm(M, N, K, lda, ldb, ldc, add_C, reinterpret_cast<const uint16_t*>(A),
-                reinterpret_cast<const uint16_t*>(B), C);
+                reinterpret_cast<const uint16_t*>(B), C, pf);
   else
     at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, vnni);
 }
 
 inline void gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
-                 const c10::Half* A, const c10::Half* B, float* C, bool vnni) {
+                 const c10::Half* A, const c10::Half* B, float* C, bool vnni, LinePrefetch* = nullptr) {
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, vnni);
 }
 
