@@ -87,16 +87,15 @@ def gemm_kernel_rows(fam: str, results) -> dict[str, float]:
     return {p: f / t / 1e9 for p, (f, t) in total.items()}
 
 
-def _each_bf16_path(fam, name, q, kw, flops, repeat, results, nbytes, onednn_rate):
-    """The same call on each 16-bit GEMM path of this CPU, side by side; the default row's note gets its
-    share of ``threads x`` oneDNN's one-thread rate on the attention's shapes."""
+def _each_bf16_path(fam, name, q, kw, flops, repeat, results, nbytes, default, onednn_rate):
+    """The same call on each 16-bit GEMM path of this CPU, side by side; the ``default`` row's note gets
+    its share of ``threads x`` oneDNN's one-thread rate on the attention's shapes."""
     module = native.kernels()
     paths = bf16_paths(module) if q.dtype == torch.bfloat16 else []
     for path in paths:
         with native.gemm_path(path):
             t = timeit(lambda: _fwd(q, kw), repeat=repeat)
         results.append(Result(fam, name, f"GEMM path {path}", t, flops / 1e9, bytes=nbytes))
-    default = next(r for r in results if r.workload == name and r.variant == "dsattn (default)")
     if onednn_rate:
         share = default.gflops / (onednn_rate * torch.get_num_threads())
         default.note = (default.note + "; " if default.note else "") + \
@@ -270,7 +269,8 @@ def run(smoke: bool = False, results=None) -> list[Result]:
             default = _both_paths(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw))
             if ratio == 4:
                 default.note = read_floor_note(kw, q.size(0) * topk, flops, ceil)
-            _each_bf16_path(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw), onednn_rate)
+            _each_bf16_path(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw), default,
+                        onednn_rate)
             if not EMULATED:
                 g = _golden_decode(q, kw)
                 results.append(Result(fam, name, "golden", g, flops / 1e9, note="32 requests, timed on 4, scaled"))
@@ -282,7 +282,8 @@ def run(smoke: bool = False, results=None) -> list[Result]:
         default = _both_paths(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw))
         if ratio == 4:
             default.note = read_floor_note(kw, q.size(0) * 512, flops, ceil)
-        _each_bf16_path(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw), onednn_rate)
+        _each_bf16_path(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw), default,
+                        onednn_rate)
         per_req = dense_masked_decode(q, kw, S2o)
         results.append(Result(fam, name, "dense-masked", per_req * 32, flops / 1e9, note="timed on 4 requests, x8"))
         per_req = careful_dense_decode(q, kw, S2o, fast)
@@ -294,7 +295,7 @@ def run(smoke: bool = False, results=None) -> list[Result]:
         name = f"prefill {SCEN[ratio]} 8K"
         default = _both_paths(fam, name, q, kw, flops, 1, results)
         default.note = fresh_output_note(q)
-        _each_bf16_path(fam, name, q, kw, flops, 1, results, 0.0, onednn_rate)
+        _each_bf16_path(fam, name, q, kw, flops, 1, results, 0.0, default, onednn_rate)
         if not EMULATED:
             g = golden_per_row(q, kw) * 8192
             results.append(Result(fam, name, "golden", g, flops / 1e9, note="timed on 16 rows, scaled to 8192"))

@@ -331,6 +331,7 @@ void dequant_tile_fp8_bf16_avx512(const uint8_t* __restrict__ x, int64_t n, floa
 
 using DequantFp8 = void (*)(const uint8_t*, int64_t, float, float*);
 
+// AVX-512 F + BW + VL: what the AVX-512 decoders above are compiled for
 bool cpu_has_avx512bw() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl");
@@ -340,8 +341,7 @@ bool cpu_has_avx512bw() {
 // chosen once per process, from what the CPU runs
 DequantFp8 dequant_tile_fp8_best() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    return dequant_tile_fp8_avx512;
+  if (cpu_has_avx512bw()) return dequant_tile_fp8_avx512;
   if (__builtin_cpu_supports("avx2")) return dequant_tile_fp8_avx2;
   return dequant_tile_fp8_scalar;
 }
@@ -392,8 +392,7 @@ bool fp8_codes_match() {
   std::vector<DequantFp8> versions{dequant_tile_fp8_scalar};
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2")) versions.push_back(dequant_tile_fp8_avx2);
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    versions.push_back(dequant_tile_fp8_avx512);
+  if (cpu_has_avx512bw()) versions.push_back(dequant_tile_fp8_avx512);
   for (const DequantFp8 version : versions) {
     float got[256];
     version(codes, 256, 1.0f, got);
@@ -448,6 +447,9 @@ struct RowAttention {
 
   int64_t vpanel = dsattn_native::wide_panel<mm_t>();   // V's panel width (packed operands)
   bool fp8_to_bf16_in_registers = cpu_has_avx512bw();   // (AVX-512 BW: the fused fp8 -> bf16 decode)
+  // whether the GEMMs prefetch the next keys (only dsattn's micro-kernel reads a LinePrefetch list)
+  bool gemm_prefetches = packed && dsattn_native::gemm_kind(c10::CppTypeToScalarType<mm_t>::value) ==
+                                       dsattn_native::KIND_AVX512BF16;
   mm_t *keys, *ring, *q_b, *v_packed, *p;           // per-thread buffers (Workspace)
   float *s, *o, *m, *l, *inv, *vals;
   const char** lines;
@@ -481,7 +483,7 @@ struct RowAttention {
     l = sized(ws.l, Hp);
     inv = sized(ws.inv, Hp);
     vals = sized(ws.vals, Dp);
-    lines = packed ? sized(ws.lines, RING * lines_per_key(Dp)) : nullptr;
+    lines = gemm_prefetches ? sized(ws.lines, RING * lines_per_key(Dp)) : nullptr;
   }
 
   // The most cache lines key_lines lists for one key: a plain row's, or a packed token's payload,
@@ -619,7 +621,8 @@ struct RowAttention {
         const int64_t m = std::min(RING, npad - c0);
         gather(rows, npad, c0, c0 + m, ring);
         // the next chunk's keys come into L2 while this chunk is multiplied (the micro-kernel's path)
-        dsattn_native::LinePrefetch next = key_lines(rows, c0 + m, c0 + m + RING);
+        dsattn_native::LinePrefetch next = gemm_prefetches ? key_lines(rows, c0 + m, c0 + m + RING)
+                                                           : dsattn_native::LinePrefetch{};
         for (int64_t h0 = 0; h0 < Hp; h0 += PANEL)
           gemm(m, std::min(PANEL, Hp - h0), Dp, Dp, std::min(PANEL, Hp - h0), Hp, false, ring, q_b + h0 * Dp,
                  s + c0 * Hp + h0, true, &next);
