@@ -14,7 +14,8 @@ The same queries, sinks and FP8 payload go to
 * dsattn ``sparse_attn_sharedkv`` over the bf16 caches the payload was quantised from;
 
 and the indexer of the same step: vLLM's FP8 ``fp8_paged_mqa_logits_cpu`` + ``topk_transform_512_cpu``
-against dsattn's bf16 ``lightning_indexer`` on the same keys (:func:`indexer_one`).
+against dsattn's ``quant_lightning_indexer`` on vLLM's very cache bytes, and dsattn's bf16
+``lightning_indexer`` on the same keys dequantised (:func:`indexer_one`).
 
 Times are the median of ``--calls`` calls (ms); ratios are dsattn / vLLM (below 1: dsattn is faster);
 dsattn's FP8 outputs are compared with vLLM's (max |diff| over max |out|: bf16 rounding, about 3e-3,
@@ -98,7 +99,9 @@ def indexer_one(B: int, ctx: int, calls: int):
     blocks): vLLM's ``fp8_paged_mqa_logits_cpu`` + ``topk_transform_512_cpu`` over its FP8 cache (per block: the
     tokens' e4m3 values, then their fp32 scales; q in e4m3, its scale folded into the weights) against dsattn's
     ``lightning_indexer`` over a bf16 paged cache of the same keys (the FP8 values times their scales, rounded to
-    bf16; the e4m3 queries are exact in bf16).  Returns (vLLM ms, dsattn ms, overlap of the two top-512 sets)."""
+    bf16; the e4m3 queries are exact in bf16), and dsattn's ``quant_lightning_indexer`` over vLLM's cache tensor
+    itself (its bytes viewed as e4m3, ``key_scale_layout="block"``) with the same e4m3 queries (unit scales).
+    Returns (vLLM ms, bf16 ms, FP8 ms, share of the bf16 / FP8 top-512 sets shared with vLLM's)."""
     from dsattn import ops
     from dsattn.benchmarks.harness import timeit
     g = torch.Generator().manual_seed(7)
@@ -130,11 +133,22 @@ def indexer_one(B: int, ctx: int, calls: int):
     def ours():
         return ops.lightning_indexer(qb, kb, wb, topk, seqused_k=lens, block_table=table, layout_k="PA_BBND")[0]
 
+    q8_rows, unit = q8.view(B, 1, H, D), torch.ones(B, 1, H)
+    fp8_cache = cache.view(torch.float8_e4m3fn)
+
+    def ours_fp8():
+        return ops.quant_lightning_indexer(q8_rows, fp8_cache, wb, unit, None, topk, 0, seqused_k=lens,
+                                           block_table=table, layout_k="PA_BBND", key_scale_layout="block")[0]
+
     t_vllm = timeit(vllm, repeat=calls, warmup=2) * 1e3
     t_ours = timeit(ours, repeat=calls, warmup=2) * 1e3
-    a, b = vllm().long(), ours().view(B, topk).long()
-    same = sum(len(set(a[i].tolist()) & set(b[i].tolist())) for i in range(B)) / (B * topk)
-    return t_vllm, t_ours, same
+    t_fp8 = timeit(ours_fp8, repeat=calls, warmup=2) * 1e3
+    a = vllm().long()
+
+    def shared(idx):
+        idx = idx.view(B, topk).long()
+        return sum(len(set(a[i].tolist()) & set(idx[i].tolist())) for i in range(B)) / (B * topk)
+    return t_vllm, t_ours, t_fp8, shared(ours()), shared(ours_fp8())
 
 
 def main(argv=None) -> int:
@@ -167,11 +181,13 @@ def main(argv=None) -> int:
         sys.stdout.flush()
     print()
     print("| indexer (CSA decode, top-512 of ctx / 4) | B | ctx | vLLM fp8_paged_mqa_logits + topk_transform_512 ms "
-          "| dsattn lightning_indexer ms (x vLLM) | top-512 sets shared |")
-    print("|---|---|---|---|---|---|")
+          "| dsattn quant_lightning_indexer FP8 on vLLM's cache ms (x vLLM) | dsattn lightning_indexer bf16 ms "
+          "(x vLLM) | FP8 / bf16 time | top-512 sets shared with vLLM: FP8 / bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
     for B, ctx in ([(1, 8192), (8, 8192)] if args.quick else [(B, ctx) for B in (1, 8, 32) for ctx in (8192, 65536)]):
-        tv, to, same = indexer_one(B, ctx, args.calls)
-        print(f"| indexer | {B} | {ctx // 1024}K | {tv:.2f} | {to:.2f} ({to / tv:.2f}x) | {same:.1%} |")
+        tv, to, t8, same, same8 = indexer_one(B, ctx, args.calls)
+        print(f"| indexer | {B} | {ctx // 1024}K | {tv:.2f} | {t8:.2f} ({t8 / tv:.2f}x) | {to:.2f} ({to / tv:.2f}x) "
+              f"| {t8 / to:.2f} | {same8:.1%} / {same:.1%} |")
         sys.stdout.flush()
     return 0
 

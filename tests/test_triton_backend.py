@@ -384,3 +384,19 @@ def test_indexer_scores_a_bounded_number_of_rows_at_a_time(indexer_launches, tri
     rep = fuzz.check_seeds("indexer", range(base, base + 8))
     assert not rep.failures, "\n".join(rep.failures)
     assert indexer_launches
+
+
+@pytest.fixture
+def quant_indexer_launches(monkeypatch):
+    from dsattn.indexer import triton as indexer_kernels
+    return _spy(monkeypatch, indexer_kernels, "quant_lightning_indexer")
+
+
+def test_quant_indexer_kernel_matches_the_golden(quant_indexer_launches, triton_backend):
+    """quant_lightning_indexer through the kernel: int8 / FP8 codes decoded in the kernel, scales in their
+    own tensor, in each row or in each block (padded block strides), float and quantised queries, over the
+    indexer's fuzz configurations (NaN in every unread key row, ragged and empty rows, -1 padding)."""
+    base = _seed() % 10**6
+    rep = fuzz.check_seeds("qindexer", range(base, base + 24))
+    assert not rep.failures, "\n".join(rep.failures)
+    assert len(quant_indexer_launches) == 24

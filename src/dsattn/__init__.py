@@ -8,18 +8,21 @@
 from . import ops, quant
 from .common.checks import set_content_checks
 from .common.softmax import set_flash_attention
-from .hyper_parallel import (SparseFlashMlaFunction, npu_lightning_indexer, npu_sparse_flash_mla,
+from .hyper_parallel import (SparseFlashMlaFunction, npu_lightning_indexer, npu_quant_lightning_indexer,
+                             npu_sparse_flash_mla,
                              npu_sparse_flash_mla_grad, npu_sparse_lightning_indexer_kl_loss_grad)
 from .ops import (compressor, compressor_inference, dequant_block, dynamic_block_quant,
-                  kv_quant_sparse_flash_attention, kv_rmsnorm_rope_quant_cache, lightning_indexer, sparse_attn_sharedkv,
+                  kv_quant_sparse_flash_attention, kv_rmsnorm_rope_quant_cache, lightning_indexer, quant_lightning_indexer,
+                  sparse_attn_sharedkv,
                   sparse_attn_sharedkv_metadata, sparse_attn_sharedkv_packed, sparse_flash_mla, sparse_flash_mla_grad,
                   sparse_lightning_indexer_kl_loss_grad)
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "set_content_checks", "set_flash_attention", "SparseFlashMlaFunction", "npu_lightning_indexer", "npu_sparse_flash_mla",
+__all__ = ["ops", "set_content_checks", "set_flash_attention", "SparseFlashMlaFunction", "npu_lightning_indexer", "npu_quant_lightning_indexer",
+           "npu_sparse_flash_mla",
            "npu_sparse_flash_mla_grad", "npu_sparse_lightning_indexer_kl_loss_grad", "lightning_indexer",
            "sparse_flash_mla", "sparse_flash_mla_grad", "sparse_lightning_indexer_kl_loss_grad", "compressor",
            "compressor_inference", "dequant_block", "dynamic_block_quant", "kv_quant_sparse_flash_attention",
-           "kv_rmsnorm_rope_quant_cache", "quant", "sparse_attn_sharedkv", "sparse_attn_sharedkv_metadata",
+           "kv_rmsnorm_rope_quant_cache", "quant", "quant_lightning_indexer", "sparse_attn_sharedkv", "sparse_attn_sharedkv_metadata",
            "sparse_attn_sharedkv_packed"]

@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     v.add_argument("--batch-invariance", type=_int_at_least(1), metavar="N",
                    help="instead: N random batches per family; every request's rows must be the same bits alone "
                         "as in its batch, and the batch the same on 1 thread as on all")
-    v.add_argument("--family", choices=("mla", "sharedkv", "packed", "indexer", "kl", "qsfa", "compressor"),
+    v.add_argument("--family", choices=("mla", "sharedkv", "packed", "indexer", "qindexer", "kl", "qsfa", "compressor"),
                    help="with --fuzz / --batch-invariance: one family only")
     v.add_argument("--seed", type=_int_at_least(0),
                    help="with --fuzz / --batch-invariance: the first seed (default: random)")

@@ -29,7 +29,6 @@ FlashMLA does.
 """
 from __future__ import annotations
 
-import weakref
 
 import dataclasses
 from typing import Optional, Tuple
@@ -38,6 +37,7 @@ import torch
 
 from . import ops
 from .common.checks import check_tensor, content_checks_enabled, fail, host_ints
+from .common.memo import TensorMemo
 from .quant.flashmla import layout_of
 from .quant.tokens import PackedTokens
 from . import native
@@ -159,20 +159,11 @@ class _Scope:
         return _packed_tokens(self.cache, self.name) if self.fp8 else self.cache
 
 
-# A decode loop passes the same FP8 cache tensors every step: their PackedTokens descriptors are kept,
-# keyed by the tensor object itself (a weak reference: when the tensor is freed its entry goes, so a new
-# tensor at the same address never finds an old descriptor) and by its shape and strides.
-_TOKENS: dict[int, tuple] = {}
+_TOKENS = TensorMemo()            # FP8 caches' PackedTokens descriptors, kept with the cache tensors
 
 
 def _packed_tokens(cache: torch.Tensor, name: str) -> PackedTokens:
-    key = (tuple(cache.shape), tuple(cache.stride()), cache.storage_offset(), cache.dtype)
-    hit = _TOKENS.get(id(cache))
-    if hit is not None and hit[0]() is cache and hit[1] == key:
-        return hit[2]
-    tokens = PackedTokens.from_flashmla(cache, name)
-    _TOKENS[id(cache)] = (weakref.ref(cache, lambda _, i=id(cache): _TOKENS.pop(i, None)), key, tokens)
-    return tokens
+    return _TOKENS.get(cache, (name,), lambda: PackedTokens.from_flashmla(cache, name))
 
 
 def _attend(q, parts, scale, sinks):

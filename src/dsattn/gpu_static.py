@@ -53,7 +53,14 @@ INDEXER_SIGNATURE = {"Q": "*{t}", "K": "*{t}", "WT": "*fp32", "BATCH": "*i32", "
                      "BT": "*i32", "OUT": "*fp32", "stride_qr": "i64", "stride_qh": "i64", "stride_wr": "i64",
                      "stride_key": "i64", "stride_blk": "i64", "stride_bt": "i64", "stride_or": "i64", "H": "i32",
                      "D": "i32", "W": "i32", "BS": "i32"}
-INDEXER_VARIANTS = ("indexer_score", "indexer_score_paged")
+QUANT_INDEXER_SIGNATURE = {"Q": "*{t}", "QS": "*fp32", "KB": "*u8", "KS": "*fp32", "WT": "*fp32", "BATCH": "*i32",
+                           "NV": "*i32", "BASE": "*i64", "BT": "*i32", "OUT": "*fp32",
+                           **{f"stride_{x}": "i64" for x in ("qr", "qh", "qsr", "wr", "vblk", "vrow", "sblk", "srow",
+                                                              "bt", "or")},
+                           "H": "i32", "D": "i32", "W": "i32", "BS": "i32"}
+# quant_lightning_indexer: vLLM's FP8 block cache (paged) and the Ascend int8 pool (paged, quantised query)
+QUANT_INDEXER_VARIANTS = ("quant_indexer_fp8_paged", "quant_indexer_int8_paged")
+INDEXER_VARIANTS = ("indexer_score", "indexer_score_paged") + QUANT_INDEXER_VARIANTS
 SPLITS = 16            # the compiled split bound (SPLITS constexpr) of the split / merge variants
 
 
@@ -122,11 +129,16 @@ def _kernel_spec(variant: str, heads: int, head_dim: int, dtype: str, backend: s
     import torch
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     if variant in INDEXER_VARIANTS:
-        from .indexer.triton import indexer_score_kernel, launch_config as indexer_config
+        from .indexer.triton import indexer_score_kernel, launch_config as indexer_config, quant_indexer_score_kernel
         cfg = indexer_config(heads, head_dim, tdtype, backend)
         opts = _launch_options(cfg)
         consts = dict(PAGED=variant.endswith("paged"), DOT_FP32=dtype == "fp32", **cfg)
-        return (indexer_score_kernel, dict(INDEXER_SIGNATURE), consts, opts,
+        kernel, signature = indexer_score_kernel, INDEXER_SIGNATURE
+        if variant in QUANT_INDEXER_VARIANTS:
+            fp8 = "fp8" in variant
+            consts.update(HAS_QS=not fp8, FP8=(2 if backend == "cuda" and arch >= 89 else 1) if fp8 else 0)
+            kernel, signature = quant_indexer_score_kernel, QUANT_INDEXER_SIGNATURE
+        return (kernel, dict(signature), consts, opts,
                 f"H{cfg['BLOCK_H']} N{cfg['BLOCK_N']} D{cfg['BLOCK_D']}", None)
     from .sparse_mla.triton import (launch_config, sparse_mla_bwd_kernel, sparse_mla_fwd_kernel,
                                     sparse_mla_merge_kernel)

@@ -45,6 +45,45 @@ def npu_lightning_indexer(query, key, weights, sparse_count, *, cu_seq_lens_q=No
                                  mask_mode=sparse_mode, cmp_ratio=cmp_ratio, return_value=int(bool(return_value)))
 
 
+_NO_WINDOW = 9223372036854775807         # pre_tokens / next_tokens: no sliding window (the only value supported)
+
+
+def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode=0,
+                                key_quant_mode=0, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                                block_table=None, metadata=None, layout_query="BSND", layout_key="BSND",
+                                sparse_count=2048, sparse_mode=3, pre_tokens=_NO_WINDOW, next_tokens=_NO_WINDOW,
+                                cmp_ratio=1, return_value=False):
+    """The Ascend ``npu_quant_lightning_indexer`` call (vllm-ascend / SGLang) on
+    ``quant_lightning_indexer`` -> ``(sparse_indices, sparse_values)``.
+
+    ``actual_seq_lengths_query`` / ``_key`` are per-batch lengths, or cumulative ends for a TND side (the
+    Ascend convention: no leading 0); ``layout_key="PA_BSND"`` is the paged pool (``block_table``)."""
+    check_choice("layout_query", layout_query, _LAYOUTS)
+    check_choice("layout_key", layout_key, ("BSND", "TND", "PA_BSND"))
+    if query_quant_mode != key_quant_mode:
+        fail("key_quant_mode", f"value {key_quant_mode} differs from query_quant_mode={query_quant_mode}; both take "
+             "the per-token(-head) mode 0")
+    for name, v in (("pre_tokens", pre_tokens), ("next_tokens", next_tokens)):
+        if v != _NO_WINDOW:
+            fail(name, f"value {v} is not supported; only the default {_NO_WINDOW} (no window)")
+    layout_k = "PA_BBND" if layout_key == "PA_BSND" else layout_key
+
+    def ends(name, t):                                  # cumulative ends -> cu_seqlens with a leading 0
+        if t is None:
+            fail(name, "is required for a TND layout (cumulative token counts per batch)")
+        return torch.cat([t.new_zeros(1), t]).to(torch.int32)
+
+    cu_q = ends("actual_seq_lengths_query", actual_seq_lengths_query) if layout_query == "TND" else None
+    used_q = actual_seq_lengths_query if layout_query == "BSND" else None
+    cu_k = ends("actual_seq_lengths_key", actual_seq_lengths_key) if layout_k == "TND" else None
+    used_k = actual_seq_lengths_key if layout_k != "TND" else None
+    return ops.quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, sparse_count,
+                                       query_quant_mode, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
+                                       seqused_k=used_k, block_table=block_table, metadata=metadata,
+                                       layout_q=layout_query, layout_k=layout_k, mask_mode=sparse_mode,
+                                       cmp_ratio=cmp_ratio, return_value=int(bool(return_value)))
+
+
 _LENGTHS = ("cu_seq_lens_q", "cu_seq_lens_ori_kv", "cu_seq_lens_cmp_kv", "seqused_q", "seqused_ori_kv",
             "seqused_cmp_kv", "cmp_residual_kv")
 _ATTRS = ("softmax_scale", "cmp_ratio", "ori_mask_mode", "cmp_mask_mode", "ori_win_left", "ori_win_right")
@@ -175,5 +214,5 @@ def npu_sparse_lightning_indexer_kl_loss_grad(query, key, weights, sparse_indice
         metadata=None, layout_q=layout, layout_k=layout, mask_mode=mask_mode, cmp_ratio=cmp_ratio)
 
 
-__all__ = ["npu_lightning_indexer", "npu_sparse_flash_mla", "npu_sparse_flash_mla_grad",
+__all__ = ["npu_lightning_indexer", "npu_quant_lightning_indexer", "npu_sparse_flash_mla", "npu_sparse_flash_mla_grad",
            "npu_sparse_lightning_indexer_kl_loss_grad", "SparseFlashMlaFunction"]

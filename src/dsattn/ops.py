@@ -22,8 +22,9 @@ kv_quant_sparse_flash_attention = op_function("kv_quant_sparse_flash_attention")
 sparse_attn_sharedkv = op_function("sparse_attn_sharedkv")
 sparse_attn_sharedkv_packed = op_function("sparse_attn_sharedkv_packed")
 sparse_attn_sharedkv_metadata = op_function("sparse_attn_sharedkv_metadata")
+quant_lightning_indexer = op_function("quant_lightning_indexer")
 
 __all__ = ["lightning_indexer", "sparse_lightning_indexer_kl_loss_grad", "sparse_flash_mla",
            "sparse_flash_mla_grad", "compressor", "compressor_inference", "dynamic_block_quant", "dequant_block",
            "kv_rmsnorm_rope_quant_cache", "kv_quant_sparse_flash_attention", "sparse_attn_sharedkv",
-           "sparse_attn_sharedkv_packed", "sparse_attn_sharedkv_metadata"]
+           "sparse_attn_sharedkv_packed", "sparse_attn_sharedkv_metadata", "quant_lightning_indexer"]

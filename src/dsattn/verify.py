@@ -138,6 +138,18 @@ def indexer_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
     return [Row(case.name, "indices+values", testing.compare_indexer(idx, val, gi, gv, ri, rv))]
 
 
+def quant_indexer_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
+    """quant_lightning_indexer against its golden (query and keys dequantised, then the float golden)."""
+    x = case.extra
+    args = (case.q, x["key"], x["w"], x["query_dequant_scale"], x["key_dequant_scale"])
+    fn = reference.quant_lightning_indexer if impl == "reference" else ops.quant_lightning_indexer
+    idx, val = fn(*args, x["topk"], 0, **case.kwargs)
+    gi, gv = reference.quant_lightning_indexer(*args, x["topk"], 0, **case.kwargs)
+    full = x["key"].numel() + 1                                     # more than the keys of any layout
+    ri, rv = reference.quant_lightning_indexer(*args, full, 0, **case.kwargs)
+    return [Row(case.name, "indices+values", testing.compare_indexer(idx, val, gi, gv, ri, rv))]
+
+
 def kl_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
     args = (case.q, case.extra["k"], case.extra["w"], case.extra["sparse_indices"], case.extra["p"])
     got = _impl("sparse_lightning_indexer_kl_loss_grad", impl)(*args, **case.kwargs)
@@ -276,6 +288,24 @@ def packed_sharedkv_rows(case: cases.Case, impl: str = "ops") -> list[Row]:
     return [Row(case.name.replace("-", "-sharedkv_packed-", 1), "attn_out", testing.compare(got, want))]
 
 
+def quant_indexer_cases(quick: bool = False):
+    """quant_lightning_indexer: int8 / FP8 keys x BSND / TND / paged x ratios 1, 4, 128, scales beside the
+    values, in each row or (paged) in each block; float queries of each dtype, and quantised queries."""
+    out = []
+    for layout, paged in (("BSND", False), ("TND", False), ("BSND", True), ("TND", True)):
+        if quick and paged:
+            continue
+        for r in RATIOS:
+            for key_dtype in (torch.int8, torch.float8_e4m3fn):
+                for n, scale_layout in enumerate(("separate", "row", "block") if paged else ("separate", "row")):
+                    seed = hash(("qindexer", layout, paged, r, str(key_dtype), scale_layout)) % 10_000
+                    dt = DTYPES[(seed + n) % len(DTYPES)]
+                    base = cases.indexer_case(layout, r, dt, paged=paged, seed=seed)
+                    query = "quant" if n % 2 else "float"
+                    out.append(cases.quant_indexer_case(base, key_dtype, scale_layout, query, block_pad=8 * n))
+    return out
+
+
 def matrix(impl: str = "ops", quick: bool = False, progress: Callable | None = None) -> list[Row]:
     """Run the whole parity matrix; ``quick`` keeps fp16 and bf16 only and skips paged cases."""
     dtypes = DTYPES[:2] if quick else DTYPES
@@ -302,6 +332,7 @@ def matrix(impl: str = "ops", quick: bool = False, progress: Callable | None = N
                     jobs.append(lambda layout=layout, paged=paged, r=r, om=om: no_key_rows(
                         cases.no_key_case(layout, paged, r, om, torch.bfloat16), impl))
     if impl != "facade":                                                 # the npu_* interface has neither
+        jobs += [lambda c=c: quant_indexer_rows(c, impl) for c in quant_indexer_cases(quick)]
         jobs += [lambda c=c: compressor_rows(c, impl) for c in compressor_cases(dtypes)]
         jobs += [lambda c=c: qsfa_rows(c, impl) for c in qsfa_cases(quick)]
         for layout, paged in (("TND", True), ("BSND", True), ("TND", False)):

@@ -8,4 +8,4 @@ read shows up as a NaN in the output.
 from .attention import (NAN, SCENARIOS, Case, indexer_case, kl_case, mla_case, no_key_case,  # noqa: F401
                         sharedkv_case, sharedkv_plan)
 from .compressor import CompressorCase, compressor_case  # noqa: F401
-from .kv_quant import packed_sharedkv_case, qsfa_case  # noqa: F401
+from .kv_quant import packed_sharedkv_case, qsfa_case, quant_indexer_case  # noqa: F401

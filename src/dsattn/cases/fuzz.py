@@ -385,6 +385,18 @@ def indexer_config(seed: int) -> Case:
     return Case(name, q, kw, {"k": k, "w": w, "topk": topk, "seed": seed})
 
 
+def qindexer_config(seed: int) -> Case:
+    """An indexer configuration with its keys quantised: int8 or FP8, scales in their own tensor, in each
+    row or (paged) in each block of a padded block stride, a float or a quantised query."""
+    from .kv_quant import quant_indexer_case
+    rnd = random.Random(seed + 11)
+    base = indexer_config(seed)
+    paged = base.kwargs["layout_k"] == "PA_BBND"
+    scale_layout = rnd.choice(("separate", "row", "block") if paged else ("separate", "row"))
+    return quant_indexer_case(base, rnd.choice((torch.int8, torch.float8_e4m3fn)), scale_layout,
+                              rnd.choice(("float", "quant")), block_pad=4 * rnd.randint(0, 3))
+
+
 def kl_config(seed: int) -> Case:
     """A KL-loss-gradient call built on a non-paged indexer configuration: the golden indexer's
     lists with -1 ends, duplicates and skipped indices mixed in, a random teacher."""
@@ -531,6 +543,11 @@ def _check_indexer(c: Case):
     return indexer_rows(c, "ops")
 
 
+def _check_qindexer(c: Case):
+    from ..verify import quant_indexer_rows
+    return quant_indexer_rows(c, "ops")
+
+
 def _check_kl(c: Case):
     from ..verify import kl_rows
     return kl_rows(c, "ops")
@@ -551,6 +568,7 @@ FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "sharedkv": (sharedkv_config, _check_sharedkv),
     "packed": (packed_config, _check_packed),
     "indexer": (indexer_config, _check_indexer),
+    "qindexer": (qindexer_config, _check_qindexer),
     "kl": (kl_config, _check_kl),
     "qsfa": (qsfa_config, _check_qsfa),
     "compressor": (compressor_config, _check_compressor),

@@ -331,7 +331,7 @@ class KVSource:
 def kv_source(name: str, kv: torch.Tensor, layout: str, B: int, *, cu: torch.Tensor | None,
               cu_name: str, seqused: torch.Tensor | None, used_name: str,
               block_table: torch.Tensor | None, table_name: str, content: bool,
-              paged_default: torch.Tensor | None = None) -> KVSource:
+              paged_default: torch.Tensor | None = None, cls: type = KVSource) -> KVSource:
     """Validate a single-head KV tensor in ``layout`` and resolve its per-batch length.
 
     ``paged_default`` is the length used for a paged tensor without ``seqused`` (e.g. the
@@ -391,5 +391,5 @@ def kv_source(name: str, kv: torch.Tensor, layout: str, B: int, *, cu: torch.Ten
         lengths = paged_default
     # A paged length beyond the table is not clamped: the walk then reaches the missing column
     # and the dereference check reports the table as too short.
-    return KVSource(name, kv, layout, lengths, width_bound(capacity, lengths, clamp=layout != PAGED), cu64,
+    return cls(name, kv, layout, lengths, width_bound(capacity, lengths, clamp=layout != PAGED), cu64,
                     block_table, table_name)

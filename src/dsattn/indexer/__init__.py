@@ -1,2 +1,3 @@
-"""Indexer operators: lightning_indexer and its KL-loss gradient (10-indexer)."""
-from . import op  # noqa: F401  (registers the operators)
+"""Indexer operators: lightning_indexer, its KL-loss gradient (10-indexer) and quant_lightning_indexer
+(quantised keys read in place)."""
+from . import op, quant  # noqa: F401  (registers the operators)

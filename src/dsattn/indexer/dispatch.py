@@ -63,3 +63,48 @@ def explain(P: IndexerProblem) -> list[tuple[str, list[str]]]:
 def lightning_indexer(P: IndexerProblem, topk: int, offset):
     """``(indices [R, topk] int32, values [R, topk] float32)`` over flattened rows."""
     return choose(P).lightning_indexer(P, topk, offset)
+
+
+# quant_lightning_indexer (a QuantIndexerProblem: keys decoded as they are read)
+
+
+class QuantTriton:
+    name = "triton"
+
+    @staticmethod
+    def reasons(P) -> list[str]:
+        def covers():
+            from . import triton as kernels               # imported only where Triton runs
+            return kernels.quant_supports(P)
+        return dispatch.triton_reasons(P.q.device, covers, "indexer.triton.quant_supports")
+
+    @staticmethod
+    def quant_lightning_indexer(P, topk: int, offset):
+        from . import triton as kernels
+        return kernels.quant_lightning_indexer(P, topk, offset)
+
+
+class QuantCompiled:
+    name = "compiled"
+
+    @staticmethod
+    def reasons(P) -> list[str]:
+        if fast.native_quant_indexer(P) is not None:
+            return []
+        return dispatch.compiled_reasons(P.q, (torch.bfloat16, torch.float16, torch.float32), "")
+
+    quant_lightning_indexer = staticmethod(fast.quant_indexer_native)
+
+
+class QuantTorch(TakesEverything):
+    @staticmethod
+    def quant_lightning_indexer(P, topk: int, offset):
+        return fast.lightning_indexer_torch(P.dequantized(), topk, offset)
+
+
+QUANT_BACKENDS = (QuantTriton, QuantCompiled, QuantTorch)
+
+
+def quant_lightning_indexer(P, topk: int, offset):
+    """``(indices [R, topk] int32, values [R, topk] float32)`` over flattened rows, quantised keys."""
+    return dispatch.choose(QUANT_BACKENDS, P).quant_lightning_indexer(P, topk, offset)

@@ -47,6 +47,30 @@ def native_indexer(P: IndexerProblem):
     return native.kernels()
 
 
+def native_quant_indexer(P):
+    """The compiled top-k over quantised keys where it applies: CPU tensors, a query of a dtype it takes
+    (a quantised query's codes arrive as bf16), the extension built.  Else None."""
+    if P.q.device.type != "cpu" or P.q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    from .. import native
+    return native.kernels()
+
+
+def quant_indexer_native(P, topk: int, offset: torch.Tensor | None):
+    """The compiled top-k over a quantised pool read in place (no dequantised copy): every row in one call."""
+    module = native_quant_indexer(P)
+    n = P.num_valid(0, P.rows.R).to(torch.int64).contiguous()
+    pages, page = P.k.pages()
+    pool = P.pool
+    scales = pool.scales if pool.scales.dtype == torch.float32 else pool.scales.float()   # (fp16: [blocks, bs])
+    vals, idx = module.indexer_topk_quant(P.rows.flat(P.q).contiguous(), pool.values, scales,
+                                          pool.dtype == torch.float8_e4m3fn, pages, page,
+                                          P.rows.batch.to(torch.int64).contiguous(), n, P.w.contiguous(), topk,
+                                          None if offset is None else offset.contiguous(),
+                                          None if P.q_scale is None else P.q_scale.contiguous())
+    return idx, vals
+
+
 def _native_topk(P: IndexerProblem, module, topk: int, offset: torch.Tensor | None):
     """Every row in one call: the kernel scores each row against its request's keys in place (no
     gather, no [rows, keys] buffer) and keeps a running top-k; nothing is read on the host here."""

@@ -44,19 +44,26 @@ def _indexer_defaults(kw):
     return base
 
 
-def _indexer_kernel(q, k, w, topk, **kw):
-    P, offset, return_value = _indexer_parse(q, k, w, topk, kw, None)
-    if P.content:                                   # every key a row scores must be mapped, on every path
+def run_indexer(P, like, topk: int, offset, return_value: int, select):
+    """The op's outputs from ``select(P, topk, offset)`` (a dispatch function): the table coverage checked
+    first (every key a row scores must be mapped, on every path), offsets checked after, rows unflattened
+    to ``like``'s layout."""
+    if P.content:
         n = P.num_valid(0, P.rows.R).to(torch.int64)
         needed = torch.zeros(P.rows.B, dtype=torch.int64, device=n.device).scatter_reduce(
             0, P.rows.batch.to(torch.int64), n, "amax")
         P.k.check_table_covers(needed, "seqused_k")
-    idx, val = dispatch.lightning_indexer(P, topk, offset)
+    idx, val = select(P, topk, offset)
     check_offset_results(idx, offset, P.content)
-    out_idx = P.rows.unflat(idx, q).unsqueeze(-2)
+    out_idx = P.rows.unflat(idx, like).unsqueeze(-2)
     if not return_value:
-        return out_idx, torch.zeros(0, dtype=torch.float32, device=q.device)
-    return out_idx, P.rows.unflat(val, q).unsqueeze(-2)
+        return out_idx, torch.zeros(0, dtype=torch.float32, device=like.device)
+    return out_idx, P.rows.unflat(val, like).unsqueeze(-2)
+
+
+def _indexer_kernel(q, k, w, topk, **kw):
+    P, offset, return_value = _indexer_parse(q, k, w, topk, kw, None)
+    return run_indexer(P, q, topk, offset, return_value, dispatch.lightning_indexer)
 
 
 def _indexer_fake(q, k, w, topk, **kw):

@@ -43,8 +43,9 @@ def _leading(q, layout_q):
 
 def parse_indexer(q, k, w, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, cmp_residual_k,
                   block_table, metadata, layout_q, layout_k, mask_mode, cmp_ratio, k_layouts,
-                  content=None) -> IndexerProblem:
-    """Checks shared by lightning_indexer and its KL-loss gradient."""
+                  content=None, problem_cls: type = IndexerProblem, source_cls: type = KVSource) -> IndexerProblem:
+    """Checks shared by lightning_indexer, its KL-loss gradient and quant_lightning_indexer (which
+    describes its keys and its problem with subclasses of its own: ``source_cls``, ``problem_cls``)."""
     check_choice("layout_q", layout_q, ("BSND", "TND"))
     check_choice("layout_k", layout_k, k_layouts)
     if layout_k in ("BSND", "TND") and layout_k != layout_q:
@@ -77,7 +78,8 @@ def parse_indexer(q, k, w, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     rows = query_rows(q, layout_q, cu_seqlens_q, seqused_q, content=content)
     B = rows.B
     src = kv_source("k", k, layout_k, B, cu=cu_seqlens_k, cu_name="cu_seqlens_k", seqused=seqused_k,
-                    used_name="seqused_k", block_table=block_table, table_name="block_table", content=content)
+                    used_name="seqused_k", block_table=block_table, table_name="block_table", content=content,
+                    cls=source_cls)
     check_batch_vector("cmp_residual_k", cmp_residual_k, B)
     if cmp_residual_k is not None and content:
         for b, v in enumerate(host_ints(cmp_residual_k)):
@@ -87,7 +89,7 @@ def parse_indexer(q, k, w, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
         resid = torch.zeros(B, dtype=torch.int64, device=q.device)
     else:
         resid = cmp_residual_k.to(torch.int64)
-    return IndexerProblem(q, rows.flat(w), rows, src, resid, cmp_ratio, mask_mode, content)
+    return problem_cls(q, rows.flat(w), rows, src, resid, cmp_ratio, mask_mode, content)
 
 
 def check_index_pair(q, layout_q, sparse_indices, attn_softmax_l1_norm) -> None:
@@ -124,9 +126,14 @@ def kl_valid_slots(P: IndexerProblem, idx: torch.Tensor, t0: int, t1: int) -> to
     return sparse_walk_t(idx, real_k, real_k)
 
 
+# The widest top-k accepted: outputs are [rows, topk] int32 + fp32, so a wider one is a mistake that would
+# otherwise reach the allocator (2^40: "can't allocate 8 TB"); no DeepSeek model selects more than 2048.
+MAX_TOPK = 1 << 24
+
+
 def check_lightning_attrs(topk: int, max_seqlen_q: int, return_value: int) -> None:
-    if topk < 1:
-        fail("topk", f"value {topk} must be >= 1")
+    if topk < 1 or topk > MAX_TOPK:
+        fail("topk", f"value {topk} must be in [1, {MAX_TOPK}] (the output holds topk slots per query row)")
     if max_seqlen_q < -1:
         fail("max_seqlen_q", f"value {max_seqlen_q} must be -1 or >= 0")
     check_choice("return_value", return_value, (0, 1))

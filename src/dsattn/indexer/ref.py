@@ -52,6 +52,20 @@ def lightning_indexer(q, k, w, topk, *, cu_seqlens_q=None, cu_seqlens_k=None, se
     return out_idx, P.rows.unflat(val, q).unsqueeze(-2)
 
 
+def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, topk, quant_mode, *,
+                            compute_dtype=torch.float32, **kw):
+    """Golden of ``quant_lightning_indexer``: the query and every key dequantised (``fp32(code) x scale``),
+    then the ``lightning_indexer`` golden on them."""
+    from .quant import parse_quant_indexer
+    P, _, _ = parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, topk, quant_mode, kw,
+                                  True)
+    q = query.float() if P.q_scale is None else query.float() * query_dequant_scale.float()[..., None]
+    keys = P.pool.dequantize()                                                 # [blocks, bs, D]
+    k = keys[:, 0, None] if kw.get("layout_k", "BSND") == "TND" else keys[:, :, None]
+    kw = {n: v for n, v in kw.items() if n != "key_scale_layout"}
+    return lightning_indexer(q, k, weights, topk, compute_dtype=compute_dtype, **kw)
+
+
 def sparse_lightning_indexer_kl_loss_grad(q, k, w, sparse_indices, attn_softmax_l1_norm, *, cu_seqlens_q=None,
                                           cu_seqlens_k=None, seqused_q=None, seqused_k=None, cmp_residual_k=None,
                                           metadata=None, layout_q="TND", layout_k="TND", mask_mode=3, cmp_ratio=1,

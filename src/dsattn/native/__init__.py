@@ -26,7 +26,7 @@ import os
 import warnings
 
 _SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp", "matmul.cpp", "sharedkv.cpp", "flashmla.cpp", "kv_quant.cpp")
-_HEADERS = ("attention.h", "common.h", "gemm.h", "keys.h")
+_HEADERS = ("attention.h", "common.h", "fp8.h", "gemm.h", "keys.h")
 _state: dict = {}
 
 

@@ -26,6 +26,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "fp8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -252,63 +253,14 @@ inline KeyRef packed_key(const PackedFormat& f, int64_t t) {
   return KeyRef{body + f.payload_off, body + f.rope_off, f.base + blk + f.scale_region + in * f.scale_stride, &f};
 }
 
-// fp8 e4m3fn bits -> float, exact, in vectorisable integer steps (no table, no denormal input):
-// normal codes rebias the exponent by 120, subnormal ones are m x 2^-9, 0x7F / 0xFF are NaN.
-inline float fp8_e4m3fn_float(uint8_t x) {
-  const uint32_t em = x & 0x7Fu;
-  const float normal = __builtin_bit_cast(float, (em << 20) + (120u << 23));
-  float v = em >= 8u ? normal : static_cast<float>(em) * 0x1p-9f;
-  v = em == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : v;
-  return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, v) | (uint32_t(x & 0x80u) << 24));
-}
-
-// out[0, n) = payload x scale in fp32, one tile of n columns.  GCC leaves the conversion's selects
-// as branches, so the vector versions are written out: 16 (AVX-512) or 8 (AVX2) codes at a time,
-// the same integer steps as fp8_e4m3fn_float.
-void dequant_tile_fp8_scalar(const uint8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
-  for (int64_t d = 0; d < n; ++d) out[d] = fp8_e4m3fn_float(x[d]) * scale;
-}
-
-// 16 fp8 e4m3fn codes -> their exact fp32 values (the steps of fp8_e4m3fn_float, 16 lanes at a time).
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 fp8x16_float_avx512(const uint8_t* x) {
-  const __m512 sub_unit = _mm512_set1_ps(0x1p-9f);
-  const __m512i low7 = _mm512_set1_epi32(0x7F), bias = _mm512_set1_epi32(120 << 23), eight = _mm512_set1_epi32(8),
-                nan = _mm512_set1_epi32(0x7FC00000), sign = _mm512_set1_epi32(0x80);
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  const __m512i em = _mm512_and_si512(b, low7);
-  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 20), bias);
-  const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(em), sub_unit));
-  __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(em, eight), sub, normal);
-  bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(em, low7), bits, nan);
-  return _mm512_castsi512_ps(_mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(b, sign), 24)));
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-void dequant_tile_fp8_avx512(const uint8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
-  const __m512 vs = _mm512_set1_ps(scale);
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(fp8x16_float_avx512(x + d), vs));
-  dequant_tile_fp8_scalar(x + d, n - d, scale, out + d);
-}
-
-__attribute__((target("avx2")))
-void dequant_tile_fp8_avx2(const uint8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
-  const __m256 vs = _mm256_set1_ps(scale), sub_unit = _mm256_set1_ps(0x1p-9f);
-  const __m256i low7 = _mm256_set1_epi32(0x7F), bias = _mm256_set1_epi32(120 << 23), seven = _mm256_set1_epi32(7),
-                nan = _mm256_set1_epi32(0x7FC00000), sign = _mm256_set1_epi32(0x80);
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + d)));
-    const __m256i em = _mm256_and_si256(b, low7);
-    const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(em, 20), bias);
-    const __m256i sub = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(em), sub_unit));
-    __m256i bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(em, seven));
-    bits = _mm256_blendv_epi8(bits, nan, _mm256_cmpeq_epi32(em, low7));
-    bits = _mm256_or_si256(bits, _mm256_slli_epi32(_mm256_and_si256(b, sign), 24));
-    _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_castsi256_ps(bits), vs));
-  }
-  dequant_tile_fp8_scalar(x + d, n - d, scale, out + d);
-}
+using dsattn_native::cpu_has_avx512bw;
+using dsattn_native::dequant_tile_fp8;
+using dsattn_native::fp8_e4m3fn_float;
+using dsattn_native::fp8x16_float_avx512;
+using DequantFp8 = dsattn_native::DequantFp8;
+using dsattn_native::dequant_tile_fp8_avx2;
+using dsattn_native::dequant_tile_fp8_avx512;
+using dsattn_native::dequant_tile_fp8_scalar;
 
 // The same decode and scale with the product rounded to bf16 (round to nearest even, NaN to 0x7FC0,
 // as bf16_bits) in registers: the gather of a bf16 query's fp8 keys writes the ring row at once,
@@ -327,28 +279,6 @@ void dequant_tile_fp8_bf16_avx512(const uint8_t* __restrict__ x, int64_t n, floa
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), _mm512_cvtepi32_epi16(r));
   }
   for (; d < n; ++d) out[d] = bf16_bits(fp8_e4m3fn_float(x[d]) * scale);
-}
-
-using DequantFp8 = void (*)(const uint8_t*, int64_t, float, float*);
-
-// AVX-512 F + BW + VL: what the AVX-512 decoders above are compiled for
-bool cpu_has_avx512bw() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return has;
-}
-
-// chosen once per process, from what the CPU runs
-DequantFp8 dequant_tile_fp8_best() {
-  __builtin_cpu_init();
-  if (cpu_has_avx512bw()) return dequant_tile_fp8_avx512;
-  if (__builtin_cpu_supports("avx2")) return dequant_tile_fp8_avx2;
-  return dequant_tile_fp8_scalar;
-}
-
-void dequant_tile_fp8(const uint8_t* x, int64_t n, float scale, float* out) {
-  static const DequantFp8 best = dequant_tile_fp8_best();
-  best(x, n, scale, out);
 }
 
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))

@@ -24,9 +24,11 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "fp8.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -394,24 +396,155 @@ class RunningTopK {
   uint64_t bar_ = ~uint64_t(0);
 };
 
+// ---- quantised keys (quant_lightning_indexer) ----
+//
+// Token r of a quantised pool: D codes (int8 or fp8 e4m3fn) and one fp32 scale, read where they lie
+// (block r / bs, slot r % bs; strides in bytes for the codes, in floats for the scales).  The codes are
+// decoded to their exact values as GEMM operands (int8 and e4m3 values are exact in bf16, fp16 and
+// fp32), so the GEMM gives the code products summed in fp32; the scales then multiply each score
+// before the relu: c[key, h] *= q_scale[h] * k_scale[key].
+struct QuantKeys {
+  const uint8_t* values;
+  const float* scales;
+  int64_t bs, value_block, value_row, scale_block, scale_row;
+  bool fp8;
+  const uint8_t* codes(int64_t r) const { return values + (r / bs) * value_block + (r % bs) * value_row; }
+  const float* scale_at(int64_t r) const { return scales + (r / bs) * scale_block + (r % bs) * scale_row; }
+  float scale(int64_t r) const { return *scale_at(r); }
+  // from key r to key r + 1 of one chunk (the chunks of a row never leave a block; with one key per block,
+  // as TND keys are, consecutive keys are consecutive blocks): one division per chunk, not two per key
+  int64_t code_step() const { return bs == 1 ? value_block : value_row; }
+  int64_t scale_step() const { return bs == 1 ? scale_block : scale_row; }
+};
+
+inline float code_value(uint8_t c, bool fp8) {
+  return fp8 ? dsattn_native::fp8_e4m3fn_float(c) : static_cast<float>(static_cast<int8_t>(c));
+}
+
+// 32 fp8 e4m3fn codes at a time to bf16, in 16-bit lanes: a normal code's exponent is rebiased by 120
+// and its 3 mantissa bits move up by 4; a subnormal one (m x 2^-9, m < 8) is looked up; 0x7F is NaN.
+__attribute__((target("avx512f,avx512bw"))) void fp8_codes_bf16_avx512(const uint8_t* x, int64_t n, uint16_t* out) {
+  const __m512i low7 = _mm512_set1_epi16(0x7F), bias = _mm512_set1_epi16(120 << 7), eight = _mm512_set1_epi16(8),
+                nan = _mm512_set1_epi16(0x7FC0), sign = _mm512_set1_epi16(0x80);
+  // bf16 of m x 2^-9 for m = 0 .. 7 (lanes 8 .. 31 unused)
+  const __m512i sub = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                       0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+  int64_t d = 0;
+  for (; d + 32 <= n; d += 32) {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + d)));
+    const __m512i em = _mm512_and_si512(b, low7);
+    __m512i v = _mm512_add_epi16(_mm512_slli_epi16(em, 4), bias);
+    v = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(em, eight), v, _mm512_permutexvar_epi16(em, sub));
+    v = _mm512_mask_blend_epi16(_mm512_cmpeq_epi16_mask(em, low7), v, nan);
+    v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(b, sign), 8));
+    _mm512_storeu_si512(out + d, v);
+  }
+  for (; d < n; ++d) out[d] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, code_value(x[d], true)) >> 16);
+}
+
+// 64 fp8 codes at a time by table (AVX-512 VBMI, Zen 4 and Ice Lake on): the two bytes of each
+// magnitude's bf16 are looked up in 128-entry byte tables (one vpermi2b each), the sign is or-ed into the
+// high byte and the bytes are interleaved into words: 10 instructions per 64 codes, where the arithmetic
+// decode above takes 26 (its subnormal lookup and NaN blend) -- a decode step's keys pass through it once.
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void fp8_codes_bf16_vbmi(const uint8_t* x, int64_t n,
+                                                                              uint16_t* out) {
+  struct Tables {
+    alignas(64) uint8_t lo[128], hi[128];
+    Tables() {
+      for (int em = 0; em < 128; ++em) {
+        const uint32_t bits = __builtin_bit_cast(uint32_t, code_value(static_cast<uint8_t>(em), true)) >> 16;
+        lo[em] = static_cast<uint8_t>(bits & 0xFF), hi[em] = static_cast<uint8_t>(bits >> 8);
+      }
+    }
+  };
+  static const Tables tab;
+  const __m512i lo0 = _mm512_load_si512(tab.lo), lo1 = _mm512_load_si512(tab.lo + 64);
+  const __m512i hi0 = _mm512_load_si512(tab.hi), hi1 = _mm512_load_si512(tab.hi + 64);
+  const __m512i low7 = _mm512_set1_epi8(0x7F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  alignas(64) uint8_t order[2][64];                    // word i = (lo byte i, hi byte i): indices i, 64 + i
+  for (int half = 0; half < 2; ++half)
+    for (int i = 0; i < 32; ++i) order[half][2 * i] = 32 * half + i, order[half][2 * i + 1] = 64 + 32 * half + i;
+  const __m512i first = _mm512_load_si512(order[0]), second = _mm512_load_si512(order[1]);
+  int64_t d = 0;
+  for (; d + 64 <= n; d += 64) {
+    const __m512i b = _mm512_loadu_si512(x + d);
+    const __m512i em = _mm512_and_si512(b, low7);
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, em, lo1);
+    const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(hi0, em, hi1), _mm512_and_si512(b, sign));
+    _mm512_storeu_si512(out + d, _mm512_permutex2var_epi8(lo, first, hi));
+    _mm512_storeu_si512(out + d + 32, _mm512_permutex2var_epi8(lo, second, hi));
+  }
+  if (d < n) fp8_codes_bf16_avx512(x + d, n - d, out + d);
+}
+
+// 32 int8 codes at a time to bf16 (exact: |code| <= 128 has at most 8 significant bits)
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void int8_codes_bf16_avx512(const uint8_t* x, int64_t n,
+                                                                                   uint16_t* out) {
+  int64_t d = 0;
+  for (; d + 32 <= n; d += 32) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d + 16))));
+    _mm512_storeu_si512(out + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+  for (; d < n; ++d) out[d] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, code_value(x[d], false)) >> 16);
+}
+
+template <typename mm_t>
+void decode_codes(const uint8_t* x, int64_t n, bool fp8, mm_t* out) {
+  if constexpr (std::is_same_v<mm_t, c10::BFloat16>) {
+    static const bool bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    static const bool bf16 = bw && __builtin_cpu_supports("avx512bf16");
+    static const bool vbmi = bw && __builtin_cpu_supports("avx512vbmi");
+    if (fp8 && vbmi) return fp8_codes_bf16_vbmi(x, n, reinterpret_cast<uint16_t*>(out));
+    if (fp8 && bw) return fp8_codes_bf16_avx512(x, n, reinterpret_cast<uint16_t*>(out));
+    if (!fp8 && bf16) return int8_codes_bf16_avx512(x, n, reinterpret_cast<uint16_t*>(out));
+  }
+  if constexpr (std::is_same_v<mm_t, float>) {
+    if (fp8) return dsattn_native::dequant_tile_fp8(x, n, 1.0f, out);
+  }
+  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<mm_t>(code_value(x[d], fp8));
+}
+
+// The scales on the code products.  With scales >= 0 (what every quantiser writes: amax / qmax) the
+// relu commutes with them: score[key] = k_scale[key] * sum_h (w[h] q_scale[h]) relu(c[key, h]), one
+// multiply per key, the head weights folded once per row.  A chunk with a negative (or NaN) scale takes
+// them per score, relu(q_scale[h] * k_scale[key] * c[key, h]).  Either way one fp32 product and one
+// multiply per score or key in both score layouts, so a row's scores do not depend on the path it takes.
+inline bool all_non_negative(const float* s, int64_t n) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok &= s[i] >= 0.0f;
+  return ok;
+}
+
+void scale_key_major(float* c, int64_t M, int64_t Hp, const float* ks, const float* qs) {
+  for (int64_t j = 0; j < M; ++j)
+    for (int64_t h = 0; h < Hp; ++h) c[j * Hp + h] *= qs[h] * ks[j];
+}
+
+void scale_head_major(float* c, int64_t H, int64_t ldc, int64_t n, const float* ks, const float* qs) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t j = 0; j < n; ++j) c[h * ldc + j] *= qs[h] * ks[j];
+}
+
 struct KeyPages {                 // where key j of a request lives in the flat key rows
   const int64_t* pages;           // [B, P]: flat row of each page's first key
   int64_t per_batch, page;
   int64_t row(int64_t b, int64_t j) const { return pages[b * per_batch + j / page] + j % page; }
 };
 
+// Keys: float rows kr [Nk, D] of q's dtype, or (kr null) the quantised pool ``quant`` with the query's
+// per-head scales ``qscale`` [R, H] (null: 1).
 template <typename scalar_t, typename mm_t>
-void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, const at::Tensor& batch,
-               const at::Tensor& n, const at::Tensor& w, const int64_t* offset, at::Tensor& values,
-               at::Tensor& indices) {
+void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantKeys* quant, const float* qscale,
+               const KeyPages& kp, const at::Tensor& batch, const at::Tensor& n, const at::Tensor& w,
+               const int64_t* offset, at::Tensor& values, at::Tensor& indices) {
   constexpr bool packed = !std::is_same_v<mm_t, float>;
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), Nk = keys.size(0), k = values.size(1);
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), k = values.size(1);
   const int64_t Hp = round_up(H, 16), Dp = round_up(D, 16);
   // Key rows as GEMM operands: as they lie, or (fp32 GEMMs on half-precision keys, a head dim that is
   // not a multiple of 16: the packed ukernel faults on an odd K) widened / zero-padded a chunk at a
   // time as they are read (a whole widened copy would read and write the cache twice per call).
-  const bool rows_direct = std::is_same_v<scalar_t, mm_t> && D == Dp;
-  const scalar_t* kr = keys.data_ptr<scalar_t>();
+  const bool rows_direct = quant == nullptr && std::is_same_v<scalar_t, mm_t> && D == Dp;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const float* wp = w.data_ptr<float>();
   const int64_t* bp = batch.data_ptr<int64_t>();
@@ -427,9 +560,51 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
     dsattn_native::Buffer<mm_t> panels, qa;                // (the shared path's, sized on first use)
     std::vector<int64_t> chunk_at, chunk_n;
     dsattn_native::Buffer<mm_t> widened(rows_direct ? 0 : CHUNK * Dp, mm_t(0));
+    // quantised keys: the chunk's key scales, the shared path's block of them, the row's query scales
+    dsattn_native::Buffer<float> kscale(quant ? CHUNK : 0), block_scales, qs(quant ? Hp : 0, 1.0f), wq(quant ? Hp : 0, 0.0f);
+    bool qs_folds = true;                                  // the row's query scales are all >= 0
+    auto row_scales = [&](int64_t t) {                     // qs, and the head weights with them folded in
+      if (qscale != nullptr) std::copy(qscale + t * H, qscale + (t + 1) * H, qs.begin());
+      for (int64_t h = 0; h < H; ++h) wq[h] = wp[t * H + h] * qs[h];
+      qs_folds = all_non_negative(qs.data(), H);
+    };
+    // a chunk's scores from its code products c: the scales folded where they may be (see above)
+    auto quant_scores_keys = [&](int64_t valid, const float* ks) {
+      if (qs_folds && all_non_negative(ks, valid)) {
+        head_sum_keys(c.data(), valid, Hp, wq.data(), score.data());
+        for (int64_t j = 0; j < valid; ++j) score[j] *= ks[j];
+      } else {
+        scale_key_major(c.data(), valid, Hp, ks, qs.data());
+        head_sum_keys(c.data(), valid, Hp, wpad.data(), score.data());
+      }
+    };
+    auto quant_scores_heads = [&](int64_t t, int64_t valid, const float* ks) {
+      if (qs_folds && all_non_negative(ks, valid)) {
+        head_sum_by_rows(c.data(), H, CHUNK, valid, wq.data(), score.data());
+        for (int64_t j = 0; j < valid; ++j) score[j] *= ks[j];
+      } else {
+        scale_head_major(c.data(), H, CHUNK, valid, ks, qs.data());
+        head_sum_by_rows(c.data(), H, CHUNK, valid, wp + t * H, score.data());
+      }
+    };
+    // quantised keys [j0, j1) of the chunk that starts at key row ``first``: their codes decoded into widened
+    // rows j0 .. j1 - 1 and their scales into kscale
+    auto decode_keys = [&](int64_t first, int64_t j0, int64_t j1) {
+      const uint8_t* codes = quant->codes(first);
+      const float* scales = quant->scale_at(first);
+      const int64_t cs = quant->code_step(), ss = quant->scale_step();
+      for (int64_t j = j0; j < j1; ++j) {
+        decode_codes<mm_t>(codes + j * cs, D, quant->fp8, widened.data() + j * Dp);
+        kscale[j] = scales[j * ss];
+      }
+    };
     // rows [first, first + m) of the keys as [m, Dp] operand rows (m <= CHUNK)
     auto key_rows = [&](int64_t first, int64_t m) -> const mm_t* {
       if (rows_direct) return reinterpret_cast<const mm_t*>(kr + first * D);
+      if (quant != nullptr) {
+        decode_keys(first, 0, m);
+        return widened.data();
+      }
       for (int64_t j = 0; j < m; ++j)
         for (int64_t d = 0; d < D; ++d) widened[j * Dp + d] = static_cast<mm_t>(kr[(first + j) * D + d]);
       return widened.data();
@@ -440,21 +615,37 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
       const int64_t count = np[t];
       dsattn_native::pack_query<scalar_t, mm_t>(qp + t * H * D, H, D, Hp, Dp, qb.data());   // B = q_t^T
       std::copy(wp + t * H, wp + (t + 1) * H, wpad.begin());
+      if (quant) row_scales(t);
       for (int64_t j0 = 0; j0 < count;) {
         const int64_t valid = std::min({CHUNK, count - j0, kp.page - j0 % kp.page});   // within one page
         const int64_t first = kp.row(bp[t], j0);
         // M rounded up (fewer kernel shapes): the extra rows (key rows of the tensor, or earlier rows of
         // the widened buffer) are never read back
         const int64_t M = rows_direct ? std::min(round_up(valid, 16), Nk - first) : round_up(valid, 16);
-        const mm_t* ka = key_rows(first, valid);
-        // SLICE keys at a time, their rows prefetched first (see SLICE)
-        const int64_t slice = rows_direct ? SLICE : M;        // (widened rows are in L1 already)
+        // quantised keys: the next chunk's codes and scales are fetched into L2 while this one is decoded and
+        // multiplied (its misses would otherwise stall the decode one row after another), and this chunk is
+        // decoded a slice at a time just before the slice's GEMM reads it (from L1)
+        if (quant != nullptr && j0 + valid < count) {
+          const int64_t j1 = j0 + valid, nv = std::min({CHUNK, count - j1, kp.page - j1 % kp.page});
+          const int64_t nf = kp.row(bp[t], j1);
+          const char* codes = reinterpret_cast<const char*>(quant->codes(nf));
+          const char* scales = reinterpret_cast<const char*>(quant->scale_at(nf));
+          const int64_t cs = quant->code_step(), ss = 4 * quant->scale_step();
+          for (int64_t j = 0; j < nv; ++j) {
+            for (int64_t b = 0; b < D; b += 64) _mm_prefetch(codes + j * cs + b, _MM_HINT_T1);
+            if (j % 16 == 0) _mm_prefetch(scales + j * ss, _MM_HINT_T1);
+          }
+        }
+        const mm_t* ka = quant != nullptr ? widened.data() : key_rows(first, valid);
+        // SLICE keys at a time, their rows prefetched (or decoded) first (see SLICE)
+        const int64_t slice = rows_direct || quant != nullptr ? SLICE : M;   // (widened rows are in L1 already)
         for (int64_t m0 = 0; m0 < M; m0 += slice) {
           const int64_t ms = std::min(slice, M - m0);
           if (rows_direct) {
             const char* from = reinterpret_cast<const char*>(ka + m0 * Dp);
             for (int64_t b = 0; b < ms * Dp * static_cast<int64_t>(sizeof(mm_t)); b += 64) _mm_prefetch(from + b, _MM_HINT_T1);
           }
+          if (quant != nullptr) decode_keys(first, m0, std::min(m0 + ms, valid));
           for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
             const int64_t pw = std::min(PANEL, Hp - h0);
             float* cm = c.data() + m0 * Hp + h0;
@@ -464,7 +655,10 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
               gemm(ms, pw, Dp, Dp, Hp, Hp, false, ka + m0 * Dp, qb.data() + h0, cm, false);
           }
         }
-        head_sum_keys(c.data(), valid, Hp, wpad.data(), score.data());
+        if (quant)
+          quant_scores_keys(valid, kscale.data());
+        else
+          head_sum_keys(c.data(), valid, Hp, wpad.data(), score.data());
         top.add(score.data(), valid, j0);
         j0 += valid;
       }
@@ -478,11 +672,12 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
       for (int64_t t = r0; t < r1; ++t) most = std::max(most, np[t]), best[t - r0].reset();
       const int64_t b = bp[r0];
       if (panels.empty()) panels.resize(KEY_BLOCK * Dp);
+      if (quant && block_scales.empty()) block_scales.resize(KEY_BLOCK);
       if (!rows_direct && qa.empty()) qa.resize(H * Dp, mm_t(0));   // (else q rows are A as they lie)
       for (int64_t kb0 = 0; kb0 < most;) {
         // this block's chunks (each within one page, w <= CHUNK keys padded to 16), packed one after another
         chunk_at.clear(), chunk_n.clear();
-        int64_t j0 = kb0, off = 0;
+        int64_t j0 = kb0, off = 0, keys_in = 0;
         while (j0 < most) {
           const int64_t valid = std::min({CHUNK, most - j0, kp.page - j0 % kp.page}), w = round_up(valid, 16);
           if (off + w * Dp > KEY_BLOCK * Dp) break;
@@ -490,8 +685,9 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
           if (valid < w) std::fill(panel, panel + w * Dp, mm_t(0));
           dsattn_native::transpose_words(reinterpret_cast<const uint32_t*>(key_rows(kp.row(b, j0), valid)), words, valid,
                                          words, reinterpret_cast<uint32_t*>(panel), w);
+          if (quant) std::copy(kscale.begin(), kscale.begin() + valid, block_scales.begin() + keys_in);
           chunk_at.push_back(j0), chunk_n.push_back(valid);
-          off += w * Dp, j0 += valid;
+          off += w * Dp, j0 += valid, keys_in += w;
         }
         const int64_t kb1 = j0;
         for (int64_t t = r0; t < r1; ++t) {
@@ -504,12 +700,16 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
             a = qa.data();
           }
           const mm_t* panel = panels.data();
-          for (size_t i = 0; i < chunk_at.size() && chunk_at[i] < count; ++i) {
+          if (quant) row_scales(t);
+          for (size_t i = 0, key0 = 0; i < chunk_at.size() && chunk_at[i] < count; ++i) {
             const int64_t w = round_up(chunk_n[i], 16), valid = std::min(chunk_n[i], count - chunk_at[i]);
             gemm(H, w, Dp, Dp, w, CHUNK, false, a, panel, c.data(), packed);
-            head_sum_by_rows(c.data(), H, CHUNK, valid, wp + t * H, score.data());
+            if (quant)
+              quant_scores_heads(t, valid, block_scales.data() + key0);
+            else
+              head_sum_by_rows(c.data(), H, CHUNK, valid, wp + t * H, score.data());
             best[t - r0].add(score.data(), valid, chunk_at[i]);
-            panel += w * Dp;
+            panel += w * Dp, key0 += w;
           }
         }
         kb0 = kb1;
@@ -540,18 +740,13 @@ void topk_rows(const at::Tensor& q, const at::Tensor& keys, const KeyPages& kp, 
 
 }  // namespace
 
-// The top-k of each query row of q [R, H, D] over the first n[t] keys of its request batch[t],
-// head weights w [R, H] (fp32): (values fp32 [R, topk], key positions plus offset[t] int32 [R, topk])
-// in the golden's order; -inf / -1 past min(n[t], topk) (the op's outputs as they are).  Keys: flat
-// rows keys [Nk, D] (q's dtype); key j of request b is row pages[b, j / page] + j % page (pages:
-// int64 [B, P]).  offset: int64 [R] or None (0).
-std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& pages,
-                                     int64_t page, const at::Tensor& batch, const at::Tensor& n, const at::Tensor& w,
-                                     int64_t topk, const c10::optional<at::Tensor>& offset) {
+namespace {
+
+// The checks both entries share: q, w, batch, n, pages, offset; every key a row reads within the Nk rows.
+void check_topk_args(const at::Tensor& q, int64_t Nk, const at::Tensor& pages, int64_t page, const at::Tensor& batch,
+                     const at::Tensor& n, const at::Tensor& w, int64_t topk, const c10::optional<at::Tensor>& offset) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q: expected a contiguous CPU [R, H, D] tensor");
-  TORCH_CHECK(keys.dim() == 2 && keys.size(1) == q.size(2) && keys.is_contiguous() && keys.scalar_type() == q.scalar_type(),
-              "keys: expected a contiguous [N, D] tensor of q's dtype");
-  const int64_t R = q.size(0), Nk = keys.size(0);
+  const int64_t R = q.size(0);
   TORCH_CHECK(w.dim() == 2 && w.size(0) == R && w.size(1) == q.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(),
               "w: expected a contiguous fp32 [R, H] tensor");
   for (const auto* t : {&batch, &n})
@@ -562,7 +757,6 @@ std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys
   if (offset.has_value())
     TORCH_CHECK(offset->dim() == 1 && offset->size(0) == R && offset->scalar_type() == at::kLong && offset->is_contiguous(),
                 "offset: expected an int64 [R] tensor");
-  const int64_t* off = offset.has_value() ? offset->data_ptr<int64_t>() : nullptr;
   const KeyPages kp{pages.data_ptr<int64_t>(), pages.size(1), page};
   const int64_t* bp = batch.data_ptr<int64_t>();
   const int64_t* np = n.data_ptr<int64_t>();
@@ -576,12 +770,101 @@ std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys
                         "], not within the ", Nk, " key rows");
     }
   }
+}
+
+}  // namespace
+
+// The top-k of each query row of q [R, H, D] over the first n[t] keys of its request batch[t],
+// head weights w [R, H] (fp32): (values fp32 [R, topk], key positions plus offset[t] int32 [R, topk])
+// in the golden's order; -inf / -1 past min(n[t], topk) (the op's outputs as they are).  Keys: flat
+// rows keys [Nk, D] (q's dtype); key j of request b is row pages[b, j / page] + j % page (pages:
+// int64 [B, P]).  offset: int64 [R] or None (0).
+std::vector<at::Tensor> indexer_topk(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& pages,
+                                     int64_t page, const at::Tensor& batch, const at::Tensor& n, const at::Tensor& w,
+                                     int64_t topk, const c10::optional<at::Tensor>& offset) {
+  TORCH_CHECK(keys.dim() == 2 && keys.size(1) == q.size(2) && keys.is_contiguous() && keys.scalar_type() == q.scalar_type(),
+              "keys: expected a contiguous [N, D] tensor of q's dtype");
+  check_topk_args(q, keys.size(0), pages, page, batch, n, w, topk, offset);
+  const int64_t R = q.size(0);
+  const KeyPages kp{pages.data_ptr<int64_t>(), pages.size(1), page};
   auto values = at::empty({R, topk}, q.options().dtype(at::kFloat));
   auto indices = at::empty({R, topk}, q.options().dtype(at::kInt));
+  const int64_t* off = offset.has_value() ? offset->data_ptr<int64_t>() : nullptr;
   dsattn_native::dispatch_gemm(q.scalar_type(), [&](auto s, auto m) {
-    topk_rows<decltype(s), decltype(m)>(q, keys, kp, batch, n, w, off, values, indices);
+    using scalar_t = decltype(s);
+    topk_rows<scalar_t, decltype(m)>(q, keys.data_ptr<scalar_t>(), keys.size(0), nullptr, nullptr, kp, batch, n, w, off,
+                                     values, indices);
   });
   return {values, indices};
+}
+
+// The same over a quantised pool read in place: codes [blocks, bs, D] uint8 (int8 or fp8 e4m3fn codes,
+// ``fp8``; any strides, each row's codes one after another), scales [blocks, bs] fp32 (any strides);
+// flat key row r is block r / bs, slot r % bs.  qscale: the query's per-head scales fp32 [R, H] or None.
+std::vector<at::Tensor> indexer_topk_quant(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
+                                           bool fp8, const at::Tensor& pages, int64_t page, const at::Tensor& batch,
+                                           const at::Tensor& n, const at::Tensor& w, int64_t topk,
+                                           const c10::optional<at::Tensor>& offset,
+                                           const c10::optional<at::Tensor>& qscale) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == q.size(2) && codes.stride(2) == 1,
+              "codes: expected uint8 [blocks, bs, D] with each row's codes one after another");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.size(0) == codes.size(0) &&
+              scales.size(1) == codes.size(1), "scales: expected fp32 [blocks, bs]");
+  if (qscale.has_value())
+    TORCH_CHECK(qscale->dim() == 2 && qscale->size(0) == q.size(0) && qscale->size(1) == q.size(1) &&
+                qscale->scalar_type() == at::kFloat && qscale->is_contiguous(), "qscale: expected contiguous fp32 [R, H]");
+  const int64_t Nk = codes.size(0) * codes.size(1);
+  check_topk_args(q, Nk, pages, page, batch, n, w, topk, offset);
+  const int64_t R = q.size(0);
+  const KeyPages kp{pages.data_ptr<int64_t>(), pages.size(1), page};
+  const QuantKeys quant{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), std::max<int64_t>(codes.size(1), 1),
+                        codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), fp8};
+  auto values = at::empty({R, topk}, q.options().dtype(at::kFloat));
+  auto indices = at::empty({R, topk}, q.options().dtype(at::kInt));
+  const int64_t* off = offset.has_value() ? offset->data_ptr<int64_t>() : nullptr;
+  const float* qs = qscale.has_value() ? qscale->data_ptr<float>() : nullptr;
+  dsattn_native::dispatch_gemm(q.scalar_type(), [&](auto s, auto m) {
+    topk_rows<decltype(s), decltype(m)>(q, nullptr, Nk, &quant, qs, kp, batch, n, w, off, values, indices);
+  });
+  return {values, indices};
+}
+
+// test hook: every int8 and fp8 code decodes to its exact value as each GEMM operand type, on every
+// implementation this CPU runs (NaN codes to NaN), at every offset of a 37-code run (vector and tail)
+bool indexer_codes_match() {
+  uint8_t codes[256 + 37];
+  for (int c = 0; c < 256 + 37; ++c) codes[c] = static_cast<uint8_t>(c * 7 + 3);
+  bool ok = true;
+  for (const bool fp8 : {false, true}) {
+    auto want = [&](uint8_t c) {
+      return fp8 ? static_cast<float>(c10::Float8_e4m3fn(c, c10::Float8_e4m3fn::from_bits()))
+                 : static_cast<float>(static_cast<int8_t>(c));
+    };
+    auto same = [](float a, float b) { return (a != a && b != b) || a == b; };
+    float f[256 + 37];
+    c10::BFloat16 bf[256 + 37];
+    c10::Half hf[256 + 37];
+    decode_codes<float>(codes, 256 + 37, fp8, f);
+    decode_codes<c10::BFloat16>(codes, 256 + 37, fp8, bf);
+    decode_codes<c10::Half>(codes, 256 + 37, fp8, hf);
+    for (int c = 0; c < 256 + 37; ++c)
+      ok = ok && same(f[c], want(codes[c])) && same(static_cast<float>(bf[c]), want(codes[c])) &&
+           same(static_cast<float>(hf[c]), want(codes[c]));
+    if (fp8 && __builtin_cpu_supports("avx512bw")) {        // each vector decode this CPU runs, directly
+      uint16_t a[256 + 37], b[256 + 37];
+      fp8_codes_bf16_avx512(codes, 256 + 37, a);
+      ok = ok && std::memcmp(a, bf, sizeof(a)) == 0;
+      if (__builtin_cpu_supports("avx512vbmi")) {
+        fp8_codes_bf16_vbmi(codes, 256 + 37, b);
+        ok = ok && std::memcmp(b, bf, sizeof(b)) == 0;
+      }
+    }
+    uint16_t scalar[37];                                  // the scalar tails alone
+    for (int c = 0; c < 37; ++c)
+      scalar[c] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, code_value(codes[c], fp8)) >> 16);
+    ok = ok && std::memcmp(scalar, bf, sizeof(scalar)) == 0;
+  }
+  return ok;
 }
 
 // test hook: the head sums of both score layouts give the same bits on every implementation here
@@ -594,6 +877,15 @@ std::vector<at::Tensor> indexer_topk(const at::Tensor&, const at::Tensor&, const
   TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled indexer is not available");
 }
 
+std::vector<at::Tensor> indexer_topk_quant(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool,
+                                           const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, int64_t, const c10::optional<at::Tensor>&,
+                                           const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled indexer is not available");
+}
+
 bool indexer_head_sums_match(int64_t, int64_t) { return true; }
+
+bool indexer_codes_match() { return true; }
 
 #endif

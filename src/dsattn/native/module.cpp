@@ -30,8 +30,15 @@ std::vector<torch::Tensor> indexer_topk(const torch::Tensor& q, const torch::Ten
                                         int64_t page, const torch::Tensor& batch, const torch::Tensor& n,
                                         const torch::Tensor& w, int64_t topk,
                                         const c10::optional<torch::Tensor>& offset);
+std::vector<torch::Tensor> indexer_topk_quant(const torch::Tensor& q, const torch::Tensor& codes,
+                                              const torch::Tensor& scales, bool fp8, const torch::Tensor& pages,
+                                              int64_t page, const torch::Tensor& batch, const torch::Tensor& n,
+                                              const torch::Tensor& w, int64_t topk,
+                                              const c10::optional<torch::Tensor>& offset,
+                                              const c10::optional<torch::Tensor>& qscale);
 
 bool indexer_head_sums_match(int64_t H, int64_t n);
+bool indexer_codes_match();
 std::vector<at::Tensor> rows_matmul(const at::Tensor& a, const std::vector<at::Tensor>& bs);
 
 at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Tensor& state,
@@ -114,6 +121,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("indexer_topk", &indexer_topk, "lightning-indexer top-k of query rows over their requests' keys",
         pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("pages"), pybind11::arg("page"), pybind11::arg("batch"),
         pybind11::arg("n"), pybind11::arg("w"), pybind11::arg("topk"), pybind11::arg("offset") = pybind11::none());
+  m.def("indexer_topk_quant", &indexer_topk_quant,
+        "lightning-indexer top-k over a quantised key pool (int8 / fp8 codes, fp32 scale per key) read in place",
+        pybind11::arg("q"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("fp8"), pybind11::arg("pages"),
+        pybind11::arg("page"), pybind11::arg("batch"), pybind11::arg("n"), pybind11::arg("w"), pybind11::arg("topk"),
+        pybind11::arg("offset") = pybind11::none(), pybind11::arg("qscale") = pybind11::none());
+  m.def("indexer_codes_match", &indexer_codes_match,
+        "test hook: the quantised indexer's int8 / fp8 code decodes equal c10's for all 256 codes, every operand type");
   m.def("indexer_head_sums_match", &indexer_head_sums_match,
         "test hook: the indexer's head sums in key-major and head-major layouts give the same bits");
   m.def("rows_matmul", &rows_matmul,
