@@ -29,6 +29,8 @@ def describe() -> str:
              "sparse_flash_mla (sparse_mla.dispatch), a bf16 CPU call: " + _mla_dispatch(False)
              + "; its gradient: " + _mla_dispatch(True),
              "lightning_indexer (indexer.dispatch), a bf16 CPU call: " + _indexer_dispatch(),
+             "quant_lightning_indexer (indexer.dispatch), a bf16 query over FP8 keys on the CPU: "
+             + _quant_indexer_dispatch(),
              "FlashMLA's API (sparse_mla.rows), a bf16 CPU call: " + _rows_dispatch(),
              "sparse_attn_sharedkv over paged caches, a bf16 CPU call: " + _sharedkv_step(),
              f"metadata planner: {native.status()}"
@@ -53,6 +55,16 @@ def _indexer_dispatch() -> str:
     P, _, _ = _indexer_parse(torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16), torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16),
                              torch.zeros(1, 1, 16), 2, {}, True)
     return _dispatch_line(dispatch.explain(P))
+
+
+def _quant_indexer_dispatch() -> str:
+    """The implementation ``quant_lightning_indexer`` picks for a small CPU call over FP8 keys."""
+    from .indexer import dispatch
+    from .indexer.quant import parse_quant_indexer
+    key = torch.zeros(1, 4, 1, 64).to(torch.float8_e4m3fn)
+    P, _, _ = parse_quant_indexer(torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16), key, torch.zeros(1, 1, 16), None,
+                                  torch.ones(1, 4, 1), 2, 0, {}, True)
+    return _dispatch_line(dispatch.explain_quant(P)) + " (codes decoded as they are scored: no dequantised copy)"
 
 
 def _rows_dispatch() -> str:

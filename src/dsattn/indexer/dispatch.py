@@ -105,6 +105,10 @@ class QuantTorch(TakesEverything):
 QUANT_BACKENDS = (QuantTriton, QuantCompiled, QuantTorch)
 
 
+def explain_quant(P) -> list[tuple[str, list[str]]]:
+    return dispatch.explain(QUANT_BACKENDS, P)
+
+
 def quant_lightning_indexer(P, topk: int, offset):
     """``(indices [R, topk] int32, values [R, topk] float32)`` over flattened rows, quantised keys."""
     return dispatch.choose(QUANT_BACKENDS, P).quant_lightning_indexer(P, topk, offset)
