@@ -101,6 +101,11 @@ def test_decode_hooks():
     if module is None:
         pytest.skip(native.status())
     assert module.indexer_codes_match()
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(70)   # more than one parallel piece
+    for dtype in KEY_DTYPES:
+        got = module.index_codes_bf16(codes, dtype == FP8).float()
+        want = codes.view(dtype).float()
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 def test_prefill_rows_take_the_shared_key_path_with_the_same_bits():

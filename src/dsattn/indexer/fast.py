@@ -59,7 +59,7 @@ def native_quant_indexer(P):
 def quant_indexer_native(P, topk: int, offset: torch.Tensor | None):
     """The compiled top-k over a quantised pool read in place (no dequantised copy): every row in one call."""
     module = native_quant_indexer(P)
-    n = P.num_valid(0, P.rows.R).to(torch.int64).contiguous()
+    n = P.valid_counts().to(torch.int64).contiguous()
     pages, page = P.k.pages()
     pool = P.pool
     scales = pool.scales if pool.scales.dtype == torch.float32 else pool.scales.float()   # (fp16: [blocks, bs])
@@ -75,7 +75,7 @@ def _native_topk(P: IndexerProblem, module, topk: int, offset: torch.Tensor | No
     """Every row in one call: the kernel scores each row against its request's keys in place (no
     gather, no [rows, keys] buffer) and keeps a running top-k; nothing is read on the host here."""
     R = P.rows.R
-    n = P.num_valid(0, R).to(torch.int64).contiguous()                  # 0 for padding rows: not read
+    n = P.valid_counts().to(torch.int64).contiguous()                   # 0 for padding rows: not read
     pages, page = P.k.pages()
     vals, idx = module.indexer_topk(P.rows.flat(P.q).contiguous(), P.k.flat_rows(), pages, page,
                                     P.rows.batch.to(torch.int64).contiguous(), n, P.w.contiguous(), topk,

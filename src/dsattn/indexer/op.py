@@ -49,7 +49,7 @@ def run_indexer(P, like, topk: int, offset, return_value: int, select):
     first (every key a row scores must be mapped, on every path), offsets checked after, rows unflattened
     to ``like``'s layout."""
     if P.content:
-        n = P.num_valid(0, P.rows.R).to(torch.int64)
+        n = P.valid_counts().to(torch.int64)
         needed = torch.zeros(P.rows.B, dtype=torch.int64, device=n.device).scatter_reduce(
             0, P.rows.batch.to(torch.int64), n, "amax")
         P.k.check_table_covers(needed, "seqused_k")

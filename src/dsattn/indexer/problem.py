@@ -1,7 +1,7 @@
 """Validation and length resolution of the indexer operators (10-indexer §1.2, §1.6, §2.2, §2.7)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,13 @@ class IndexerProblem:
     r: int
     mask_mode: int
     content: bool
+    _valid: torch.Tensor | None = field(default=None, repr=False)
+
+    def valid_counts(self) -> torch.Tensor:
+        """:meth:`num_valid` of every row, computed once per call (the coverage check and the kernels read it)."""
+        if self._valid is None:
+            self._valid = self.num_valid(0, self.rows.R)
+        return self._valid
 
     def num_valid(self, t0: int, t1: int) -> torch.Tensor:
         """Selectable keys (realK) of rows ``[t0, t1)``, 0 for padding rows."""

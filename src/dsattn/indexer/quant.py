@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from .._registry import register
-from ..common.checks import check_choice, check_tensor, fail
+from ..common.checks import check_choice, check_tensor, fail, is_fake
 from ..common.layout import KVSource
 from ..common.memo import TensorMemo
 from ..quant.index_keys import KEY_DTYPES, SCALE_DTYPES, IndexKeyPool, check_key_dtype, index_key_pool
@@ -109,7 +109,19 @@ def _check_query(query, query_dequant_scale, key, lead_rank: int):
     if query.dim() == lead_rank + 2 and tuple(query_dequant_scale.shape) != tuple(query.shape[:-1]):
         fail("query_dequant_scale", f"expected one scale per token and head, shape {list(query.shape[:-1])}, got "
              f"{tuple(query_dequant_scale.shape)}")
-    return query.to(torch.bfloat16), query_dequant_scale.float()
+    return _code_values(query), query_dequant_scale.float()
+
+
+def _code_values(codes: torch.Tensor) -> torch.Tensor:
+    """int8 / FP8 codes -> their exact values as bf16: in the compiled layer on the CPU (PyTorch's own FP8
+    conversion is about 50 times slower), else by PyTorch."""
+    if codes.device.type == "cpu" and not is_fake(codes):
+        from .. import native
+        module = native.kernels()
+        if module is not None:
+            return module.index_codes_bf16(codes.contiguous().view(torch.uint8),
+                                           codes.dtype == torch.float8_e4m3fn)
+    return codes.to(torch.bfloat16)
 
 
 def parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, topk, quant_mode, kw,

@@ -556,7 +556,14 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
   dsattn_native::parallel_rows(R, [&](int64_t t) { return np[t] > 0 ? np[t] + 64 : 1; }, [&](int64_t t0, int64_t t1) {
     dsattn_native::Buffer<mm_t> qb(Dp * Hp);
     dsattn_native::Buffer<float> c(CHUNK * Hp), score(CHUNK), wpad(Hp, 0.0f);
-    std::vector<RunningTopK> best(ROW_BLOCK, RunningTopK(k));
+    // running selections: one for rows taken alone, one per row of a shared-key block (made when a block first
+    // needs them: each holds 2 (2 topk + CHUNK) keys, 18 KB at top-512, and most calls are decode rows)
+    std::vector<RunningTopK> best;
+    best.reserve(ROW_BLOCK);
+    best.emplace_back(k);
+    auto selections = [&](int64_t rows) {
+      while (static_cast<int64_t>(best.size()) < rows) best.emplace_back(k);
+    };
     dsattn_native::Buffer<mm_t> panels, qa;                // (the shared path's, sized on first use)
     std::vector<int64_t> chunk_at, chunk_n;
     dsattn_native::Buffer<mm_t> widened(rows_direct ? 0 : CHUNK * Dp, mm_t(0));
@@ -669,6 +676,7 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
     // query is the A operand as it lies: C [H, keys] = q_t K^T, summed over heads in vertical adds.
     auto shared_rows = [&](int64_t r0, int64_t r1) {
       int64_t most = 0;
+      selections(r1 - r0);
       for (int64_t t = r0; t < r1; ++t) most = std::max(most, np[t]), best[t - r0].reset();
       const int64_t b = bp[r0];
       if (panels.empty()) panels.resize(KEY_BLOCK * Dp);
@@ -829,6 +837,24 @@ std::vector<at::Tensor> indexer_topk_quant(const at::Tensor& q, const at::Tensor
   return {values, indices};
 }
 
+// int8 / fp8 e4m3fn codes (uint8, any shape, contiguous) -> their exact values as bf16: a quantised query's
+// operand (PyTorch's own fp8 -> bf16 conversion takes 2 ns an element, 0.5 ms of a B 32 decode step)
+at::Tensor index_codes_bf16(const at::Tensor& codes, bool fp8) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu(),
+              "codes: expected a contiguous CPU uint8 tensor");
+  auto out = at::empty(codes.sizes(), codes.options().dtype(at::kBFloat16));
+  const uint8_t* src = codes.data_ptr<uint8_t>();
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  constexpr int64_t piece = 1 << 14;
+  at::parallel_for(0, (codes.numel() + piece - 1) / piece, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = std::min(piece, codes.numel() - p * piece);
+      decode_codes<c10::BFloat16>(src + p * piece, n, fp8, dst + p * piece);
+    }
+  });
+  return out;
+}
+
 // test hook: every int8 and fp8 code decodes to its exact value as each GEMM operand type, on every
 // implementation this CPU runs (NaN codes to NaN), at every offset of a 37-code run (vector and tail)
 bool indexer_codes_match() {
@@ -887,5 +913,9 @@ std::vector<at::Tensor> indexer_topk_quant(const at::Tensor&, const at::Tensor&,
 bool indexer_head_sums_match(int64_t, int64_t) { return true; }
 
 bool indexer_codes_match() { return true; }
+
+at::Tensor index_codes_bf16(const at::Tensor&, bool) {
+  TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled indexer is not available");
+}
 
 #endif

@@ -39,6 +39,7 @@ std::vector<torch::Tensor> indexer_topk_quant(const torch::Tensor& q, const torc
 
 bool indexer_head_sums_match(int64_t H, int64_t n);
 bool indexer_codes_match();
+torch::Tensor index_codes_bf16(const torch::Tensor& codes, bool fp8);
 std::vector<at::Tensor> rows_matmul(const at::Tensor& a, const std::vector<at::Tensor>& bs);
 
 at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Tensor& state,
@@ -126,6 +127,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("fp8"), pybind11::arg("pages"),
         pybind11::arg("page"), pybind11::arg("batch"), pybind11::arg("n"), pybind11::arg("w"), pybind11::arg("topk"),
         pybind11::arg("offset") = pybind11::none(), pybind11::arg("qscale") = pybind11::none());
+  m.def("index_codes_bf16", &index_codes_bf16, "int8 / fp8 e4m3fn codes (uint8) -> their exact values as bf16",
+        pybind11::arg("codes"), pybind11::arg("fp8"));
   m.def("indexer_codes_match", &indexer_codes_match,
         "test hook: the quantised indexer's int8 / fp8 code decodes equal c10's for all 256 codes, every operand type");
   m.def("indexer_head_sums_match", &indexer_head_sums_match,
