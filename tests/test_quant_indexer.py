@@ -332,3 +332,44 @@ def test_64k_paged_call_reads_the_pool_in_place():
     assert out.returncode == 0, out.stderr[-2000:]
     grown, pool = (int(v) for v in out.stdout.split())
     assert grown < pool, f"peak RSS grew {grown} bytes, the pool is {pool}"
+
+
+@pytest.mark.parametrize("quantised", (False, True), ids=["lightning_indexer", "quant_lightning_indexer"])
+@pytest.mark.parametrize("paged", (False, True), ids=["BSND", "paged"])
+def test_one_row_split_over_threads_gives_the_one_thread_bits(quantised, paged):
+    """A call of one decode row with many keys splits them over the threads and merges the parts'
+    selections: the same bits as one thread, ties (repeated keys) included."""
+    if native.kernels() is None:
+        pytest.skip(native.status())
+    g = torch.Generator().manual_seed(8)
+    H, D, Kc, bs = 16, 64, 3000, 64
+    k = torch.randn(Kc, D, generator=g)
+    k[1500:1600] = k[100:200]                              # equal scores across the parts' boundary
+    q = torch.randn(1, 1, H, D, generator=g).bfloat16()
+    w = torch.rand(1, 1, H, generator=g)
+    kw = dict(return_value=1, output_idx_offset=torch.tensor([7], dtype=torch.int32))
+    if paged:
+        nb = -(-Kc // bs)
+        pool = torch.full((nb + 3, bs, D), float("nan"))
+        perm = torch.randperm(nb + 3, generator=g)[:nb]
+        pool.view(-1, D)[(perm[:, None] * bs + torch.arange(bs)).reshape(-1)[:Kc]] = k
+        keys = pool[:, :, None]
+        kw.update(seqused_k=torch.tensor([Kc], dtype=torch.int32), block_table=perm[None].to(torch.int32),
+                  layout_k="PA_BBND")
+    else:
+        keys = k[None, :, None]
+    if quantised:
+        values, scales = quantize_index_keys(keys, FP8)
+        call = lambda: ops.quant_lightning_indexer(q, values, w, None, scales, 600, 0, **kw)  # noqa: E731
+    else:
+        keys = keys.bfloat16()
+        call = lambda: ops.lightning_indexer(q, keys, w, 600, **kw)  # noqa: E731
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = call()
+        torch.set_num_threads(2)
+        two = call()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])

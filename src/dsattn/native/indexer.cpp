@@ -49,6 +49,8 @@ constexpr int64_t CHUNK = 128;  // keys per chunk: the fp32 scores [CHUNK, Hp] s
 // 20.2-20.9 ms in whole chunks, 19.1 in slices without the prefetch, 16.8-17.3 with it; slices of
 // 16 / 64 / 128 keys: 20.5 / 18.3 / 19.7; prefetching a slice or more ahead: 22-24 (slower).
 constexpr int64_t SLICE = 32;
+// A call of one row (a one-request decode) with at least this many keys splits them over the threads.
+constexpr int64_t SPLIT_KEYS = 1024;
 // Runs of at least SHARED_ROWS rows of one request (a prefill) take the shared-key path, in blocks of
 // up to ROW_BLOCK rows over KEY_BLOCK keys at a time (packed once per block: 256 KB at D 128 bf16).
 constexpr int64_t SHARED_ROWS = 8;
@@ -378,6 +380,23 @@ class RunningTopK {
     }
   }
 
+  // back to the best k, if more are kept
+  void trim() {
+    if (size_ > size_t(k_)) {
+      bar_ = kth_smallest(cand_.data(), size_, k_, tmp_.data());
+      size_ = keep_up_to(cand_.data(), size_, bar_);
+    }
+  }
+
+  // ``other``'s kept keys (a selection over higher keys than this one's) appended: both cut to their best k
+  // first, so the union (at most 2 k) fits and holds the best k of the two; ties still go to the lower key,
+  // since the sort in write() is stable and this one's keys come first
+  void absorb(RunningTopK& other) {
+    trim(), other.trim();
+    std::copy(other.cand_.begin(), other.cand_.begin() + other.size_, cand_.begin() + size_);
+    size_ += other.size_;
+  }
+
   // the kept keys in order: values (-inf past the count) and key indices plus ``offset`` (-1 past it)
   void write(float* values, int32_t* indices, int64_t offset) {
     uint64_t* a = cand_.data();
@@ -552,8 +571,26 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
   float* vp = values.data_ptr<float>();
   int32_t* ip = indices.data_ptr<int32_t>();
   const int64_t words = Dp * static_cast<int64_t>(sizeof(mm_t)) / 4;   // 32-bit words per key row of ka
+  // One request's decode row with many keys (a call of one row) is split over the threads by its keys: each
+  // part, from a chunk boundary of the whole row's walk, keeps its own running selection and the parts are
+  // merged.  Every key's score is the same whichever part computes it (the same chunks, the same slices),
+  // so the result is the one-thread result, bit for bit.
+  const int64_t threads = at::get_num_threads();
+  const bool split = R == 1 && threads > 1 && np[0] >= SPLIT_KEYS;
+  std::vector<int64_t> part_at;                      // the parts' first keys, then the row's key count
+  std::vector<RunningTopK> partial;
+  if (split) {
+    const int64_t boundary = std::min(CHUNK, kp.page);
+    for (int64_t p = 0; p < threads; ++p) {
+      const int64_t j = np[0] * p / threads;
+      part_at.push_back(j - (j % kp.page) % boundary);     // back to a chunk boundary of the sequential walk
+    }
+    part_at.push_back(np[0]);
+    partial.reserve(threads);
+    for (int64_t p = 0; p < threads; ++p) partial.emplace_back(k);
+  }
   // a row's cost: its keys, plus about 64 keys' worth for its query and its top-k
-  dsattn_native::parallel_rows(R, [&](int64_t t) { return np[t] > 0 ? np[t] + 64 : 1; }, [&](int64_t t0, int64_t t1) {
+  auto work = [&](int64_t t0, int64_t t1, int64_t part) {
     dsattn_native::Buffer<mm_t> qb(Dp * Hp);
     dsattn_native::Buffer<float> c(CHUNK * Hp), score(CHUNK), wpad(Hp, 0.0f);
     // running selections: one for rows taken alone, one per row of a shared-key block (made when a block first
@@ -618,12 +655,11 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
     };
 
     // One row against its keys, CHUNK at a time: C [keys, Hp] = k q^T, A = the keys as they lie.
-    auto one_row = [&](int64_t t, RunningTopK& top) {
-      const int64_t count = np[t];
+    auto one_row = [&](int64_t t, RunningTopK& top, int64_t begin, int64_t count) {   // keys [begin, count)
       dsattn_native::pack_query<scalar_t, mm_t>(qp + t * H * D, H, D, Hp, Dp, qb.data());   // B = q_t^T
       std::copy(wp + t * H, wp + (t + 1) * H, wpad.begin());
       if (quant) row_scales(t);
-      for (int64_t j0 = 0; j0 < count;) {
+      for (int64_t j0 = begin; j0 < count;) {
         const int64_t valid = std::min({CHUNK, count - j0, kp.page - j0 % kp.page});   // within one page
         const int64_t first = kp.row(bp[t], j0);
         // M rounded up (fewer kernel shapes): the extra rows (key rows of the tensor, or earlier rows of
@@ -724,6 +760,11 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
       }
     };
 
+    if (part >= 0) {                              // keys [part_at[part], part_at[part + 1]) of the one row
+      if (part_at[part] < part_at[part + 1]) one_row(0, partial[part], part_at[part], part_at[part + 1]);
+      gemm_release<mm_t>();
+      return;
+    }
     for (int64_t t = t0; t < t1;) {
       int64_t run = t + 1;                       // the run of rows of t's request
       while (run < t1 && bp[run] == bp[t]) ++run;
@@ -736,14 +777,24 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
       } else {
         for (int64_t r = t; r < run; ++r) {
           best[0].reset();
-          if (np[r] > 0) one_row(r, best[0]);
+          if (np[r] > 0) one_row(r, best[0], 0, np[r]);
           best[0].write(vp + r * k, ip + r * k, offset == nullptr ? 0 : offset[r]);
         }
       }
       t = run;
     }
     gemm_release<mm_t>();
+  };
+  if (!split) {
+    dsattn_native::parallel_rows(R, [&](int64_t t) { return np[t] > 0 ? np[t] + 64 : 1; },
+                                 [&](int64_t t0, int64_t t1) { work(t0, t1, -1); });
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) work(0, 1, p);
   });
+  for (int64_t p = 1; p < threads; ++p) partial[0].absorb(partial[p]);
+  partial[0].write(vp, ip, offset == nullptr ? 0 : offset[0]);
 }
 
 }  // namespace
