@@ -394,7 +394,8 @@ def qindexer_config(seed: int) -> Case:
     paged = base.kwargs["layout_k"] == "PA_BBND"
     scale_layout = rnd.choice(("separate", "row", "block") if paged else ("separate", "row"))
     return quant_indexer_case(base, rnd.choice((torch.int8, torch.float8_e4m3fn)), scale_layout,
-                              rnd.choice(("float", "quant")), block_pad=4 * rnd.randint(0, 3))
+                              rnd.choice(("float", "quant")), block_pad=4 * rnd.randint(0, 3),
+                              scale_dtype=rnd.choice((torch.float32, torch.float32, torch.float16)))
 
 
 def kl_config(seed: int) -> Case:

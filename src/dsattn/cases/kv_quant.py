@@ -108,16 +108,17 @@ def packed_sharedkv_case(layout: str = "TND", ratio: int = 4, dtype=torch.bfloat
 
 
 def quant_indexer_case(base: Case, key_dtype: torch.dtype, scale_layout: str = "separate", query: str = "float",
-                       block_pad: int = 0) -> Case:
+                       block_pad: int = 0, scale_dtype: torch.dtype = torch.float32) -> Case:
     """A ``quant_lightning_indexer`` case from a ``lightning_indexer`` case: its keys quantised per token
     (a NaN row, one no query reads, keeps a NaN scale and so decodes to NaN) and stored with their scales
     in ``scale_layout``; ``query="quant"`` quantises the query per token and head to the key format, else
     the case's float query is kept.  ``block_pad`` bytes of padding after each block of a ``"block"``
-    cache give it a block stride of its own."""
+    cache give it a block stride of its own; ``scale_dtype`` (fp32 / fp16) is that of the scales given in their own
+    tensors (the key's ``"separate"`` scales, a quantised query's)."""
     from ..quant.index_keys import pack_index_blocks, pack_index_rows, quantize_index_keys
     k, w, topk = base.extra["k"], base.extra["w"], base.extra["topk"]
     values, scales = quantize_index_keys(k.float(), key_dtype)
-    key, key_scale = values, scales
+    key, key_scale = values, scales.to(scale_dtype)
     if scale_layout == "row":
         key, key_scale = pack_index_rows(values, scales), None
     elif scale_layout == "block":
@@ -128,8 +129,9 @@ def quant_indexer_case(base: Case, key_dtype: torch.dtype, scale_layout: str = "
     q, q_scale = base.q, None
     if query == "quant":
         q, q_scale = quantize_index_keys(base.q.float(), key_dtype)
+        q_scale = q_scale.to(scale_dtype)
     kw = dict(base.kwargs, key_scale_layout=scale_layout)
     name = (f"{base.name.replace('indexer', 'qindexer', 1)}-{'int8' if key_dtype == torch.int8 else 'fp8'}-{scale_layout}"
-            f"{'-qquant' if query == 'quant' else ''}")
+            f"{'-qquant' if query == 'quant' else ''}{'-fp16scales' if scale_dtype == torch.float16 else ''}")
     return Case(name, q, kw, {"key": key, "w": w, "topk": topk, "query_dequant_scale": q_scale,
                               "key_dequant_scale": key_scale})
