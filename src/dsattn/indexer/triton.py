@@ -22,20 +22,29 @@ SCORE_BUDGET = 64 << 20      # bytes of fp32 scores per launch (rows x keys)
 
 
 @triton.jit
+def program_keys(NV, BATCH, BT, stride_bt, BS, PAGED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's query row ``r``, its ``BLOCK_N`` key positions ``x``, which of them the row selects
+    and (paged) each key's cache block from the row's block-table row (else 0)."""
+    r = tl.program_id(0).to(tl.int64)
+    x = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = x < tl.load(NV + r)
+    blk = tl.zeros_like(x).to(tl.int64)
+    if PAGED:
+        b = tl.load(BATCH + r).to(tl.int64)
+        blk = tl.load(BT + b * stride_bt + x // BS, mask=valid, other=0).to(tl.int64)
+    return r, x, valid, blk
+
+
+@triton.jit
 def indexer_score_kernel(Q, K, WT, BATCH, NV, BASE, BT, OUT,
                          stride_qr, stride_qh, stride_wr, stride_key, stride_blk, stride_bt, stride_or,
                          H, D, W, BS,
                          PAGED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          DOT_FP32: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    x = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nv = tl.load(NV + r)
-    valid = x < nv
+    r, x, valid, blk = program_keys(NV, BATCH, BT, stride_bt, BS, PAGED, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     if PAGED:
-        b = tl.load(BATCH + r).to(tl.int64)
-        blk = tl.load(BT + b * stride_bt + x // BS, mask=valid, other=0).to(tl.int64)
         off = blk * stride_blk + (x % BS) * stride_key
     else:
         off = tl.load(BASE + r) + x.to(tl.int64) * stride_key
@@ -143,15 +152,10 @@ def quant_indexer_score_kernel(Q, QS, KB, KS, WT, BATCH, NV, BASE, BT, OUT,
     ``block * stride_sblk + slot * stride_srow`` of ``KS``.  The codes' exact values are multiplied in
     the query's dtype (exact: int8 and e4m3 fit bf16 / fp16), and the scales multiply each code product
     before the relu: ``relu(qs[h] ks[x] q[h] . codes[x])``."""
-    r = tl.program_id(0).to(tl.int64)
-    x = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nv = tl.load(NV + r)
-    valid = x < nv
+    r, x, valid, blk = program_keys(NV, BATCH, BT, stride_bt, BS, PAGED, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     if PAGED:
-        b = tl.load(BATCH + r).to(tl.int64)
-        blk = tl.load(BT + b * stride_bt + x // BS, mask=valid, other=0).to(tl.int64)
         slot = (x % BS).to(tl.int64)
     else:
         row = tl.load(BASE + r) + x.to(tl.int64)
