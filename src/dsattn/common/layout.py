@@ -212,6 +212,12 @@ class KVSource:
             return
         bs, nbt, nb = self.tensor.size(1), self.block_table.size(1), self.tensor.size(0)
         needed = needed.to(torch.int64).cpu()
+        module = None
+        if self.block_table.device.type == "cpu" and self.block_table.dtype == torch.int32 and bs > 0:
+            from .. import native
+            module = native.load()
+        if module is not None and not module.table_covers(self.block_table, needed, bs, nb):
+            return                           # (one compiled pass; what it finds is worded below)
         cols = (needed + bs - 1) // bs
         over = (cols > nbt).nonzero()
         if over.numel():

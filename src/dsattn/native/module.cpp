@@ -50,6 +50,8 @@ std::tuple<std::vector<torch::Tensor>, std::string> plan_coverage(
     const torch::Tensor& table, int64_t num_heads_q, std::vector<int64_t> S1, std::vector<int64_t> S2, bool has_cmp,
     int64_t cmp_topk, int64_t cmp_ratio, int64_t ori_mask_mode, int64_t ori_win_left, bool check);
 
+std::vector<int64_t> table_covers(const at::Tensor& table, const at::Tensor& needed, int64_t block_size,
+                                  int64_t num_blocks);
 std::tuple<at::Tensor, std::vector<int64_t>> paged_rows(const at::Tensor& table, const at::Tensor& batch,
                                                         const at::Tensor& x, const at::Tensor& mask,
                                                         int64_t block_size, int64_t num_blocks);
@@ -139,6 +141,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compressor_pool", &compressor_pool, "the compressor's gated softmax pooling of output rows over their slots");
   m.def("plan_coverage", &plan_coverage,
         "a plan table read for a call: row geometry, whole rows, partial pieces, FD entries, first violated invariant");
+  m.def("table_covers", &table_covers,
+        "the first way a paged table fails to cover each batch's needed keys ({} none, {0, b}, {1, b, column})");
   m.def("paged_rows", &paged_rows, "flat rows of logical keys in a paged cache (-1 where masked out)");
   m.def("sharedkv_paged", &sharedkv_paged,
         "a decode-sized sparse_attn_sharedkv call over paged caches in one step; False: declined, nothing written");

@@ -54,6 +54,30 @@ std::tuple<at::Tensor, std::vector<int64_t>> paged_rows(const at::Tensor& table,
   return {flat, bad};
 }
 
+// The first way in which batch b's first needed[b] keys are not all in blocks of the cache (KVSource.
+// check_table_covers, one call instead of a dozen small ones per operator call): {} if none, {0, b} when
+// they need more block columns than the table has, {1, b, c} when entry [b, c] is not in [0, num_blocks).
+std::vector<int64_t> table_covers(const at::Tensor& table, const at::Tensor& needed, int64_t block_size,
+                                  int64_t num_blocks) {
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kInt && table.device().is_cpu(),
+              "table: expected a CPU int32 [B, blocks] tensor");
+  TORCH_CHECK(needed.dim() == 1 && needed.scalar_type() == at::kLong && needed.numel() == table.size(0) &&
+                  needed.device().is_cpu(), "needed: expected a CPU int64 [B] tensor");
+  TORCH_CHECK(block_size > 0, "block_size: must be positive");
+  const auto tc = table.contiguous(), nc = needed.contiguous();
+  const int32_t* tp = tc.data_ptr<int32_t>();
+  const int64_t* np = nc.data_ptr<int64_t>();
+  const int64_t B = table.size(0), nbt = table.size(1);
+  for (int64_t b = 0; b < B; ++b)
+    if ((std::max<int64_t>(np[b], 0) + block_size - 1) / block_size > nbt) return {0, b};
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t cols = (std::max<int64_t>(np[b], 0) + block_size - 1) / block_size;
+    for (int64_t c = 0; c < cols; ++c)
+      if (tp[b * nbt + c] < 0 || tp[b * nbt + c] >= num_blocks) return {1, b, c};
+  }
+  return {};
+}
+
 // Key tables of query rows (keys.h) from the Python problem's tensors: MlaProblem.key_tables.
 namespace {
 
