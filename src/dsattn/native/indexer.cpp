@@ -469,21 +469,22 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void fp8_codes_bf16_vbmi(
                                                                               uint16_t* out) {
   struct Tables {
     alignas(64) uint8_t lo[128], hi[128];
+    alignas(64) uint8_t order[2][64];                  // word i = (lo byte i, hi byte i): indices i, 64 + i
     Tables() {
       for (int em = 0; em < 128; ++em) {
         const uint32_t bits = __builtin_bit_cast(uint32_t, code_value(static_cast<uint8_t>(em), true)) >> 16;
         lo[em] = static_cast<uint8_t>(bits & 0xFF), hi[em] = static_cast<uint8_t>(bits >> 8);
       }
+      for (int half = 0; half < 2; ++half)
+        for (int i = 0; i < 32; ++i)
+          order[half][2 * i] = static_cast<uint8_t>(32 * half + i), order[half][2 * i + 1] = static_cast<uint8_t>(64 + 32 * half + i);
     }
   };
   static const Tables tab;
   const __m512i lo0 = _mm512_load_si512(tab.lo), lo1 = _mm512_load_si512(tab.lo + 64);
   const __m512i hi0 = _mm512_load_si512(tab.hi), hi1 = _mm512_load_si512(tab.hi + 64);
   const __m512i low7 = _mm512_set1_epi8(0x7F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  alignas(64) uint8_t order[2][64];                    // word i = (lo byte i, hi byte i): indices i, 64 + i
-  for (int half = 0; half < 2; ++half)
-    for (int i = 0; i < 32; ++i) order[half][2 * i] = 32 * half + i, order[half][2 * i + 1] = 64 + 32 * half + i;
-  const __m512i first = _mm512_load_si512(order[0]), second = _mm512_load_si512(order[1]);
+  const __m512i first = _mm512_load_si512(tab.order[0]), second = _mm512_load_si512(tab.order[1]);
   int64_t d = 0;
   for (; d + 64 <= n; d += 64) {
     const __m512i b = _mm512_loadu_si512(x + d);
