@@ -373,3 +373,18 @@ def test_one_row_split_over_threads_gives_the_one_thread_bits(quantised, paged):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_block_layout_takes_each_cache_shape():
+    """vLLM's block cache as [num_blocks, block bytes], [num_blocks, block_size, D + 4] or
+    [num_blocks, block_size, 1, D + 4]: the same bytes, the same results."""
+    g = torch.Generator().manual_seed(3)
+    nb, bs, D, H = 6, 16, 32, 4
+    blocks = pack_index_blocks(*quantize_index_keys(torch.randn(nb, bs, D, generator=g), FP8))
+    q, w = torch.randn(2, 1, H, D, generator=g).bfloat16(), torch.rand(2, 1, H, generator=g)
+    kw = dict(seqused_k=torch.tensor([40, 70], dtype=torch.int32), layout_k="PA_BBND", key_scale_layout="block",
+              block_table=torch.tensor([[5, 0, 3, 1, 2], [4, 1, 2, 3, 0]], dtype=torch.int32), return_value=1)
+    want = reference.quant_lightning_indexer(q, blocks, w, None, None, 8, 0, **kw)
+    for shape in ((nb, bs * (D + 4)), (nb, bs, D + 4), (nb, bs, 1, D + 4)):
+        got = ops.quant_lightning_indexer(q, blocks.view(shape), w, None, None, 8, 0, **kw)
+        assert torch.equal(got[0], want[0]), shape
