@@ -465,8 +465,10 @@ __attribute__((target("avx512f,avx512bw"))) void fp8_codes_bf16_avx512(const uin
 // magnitude's bf16 are looked up in 128-entry byte tables (one vpermi2b each), the sign is or-ed into the
 // high byte and the bytes are interleaved into words: 10 instructions per 64 codes, where the arithmetic
 // decode above takes 26 (its subnormal lookup and NaN blend) -- a decode step's keys pass through it once.
-__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void fp8_codes_bf16_vbmi(const uint8_t* x, int64_t n,
-                                                                              uint16_t* out) {
+// ``rows`` rows of n codes each (row r at x + r * x_step, written at out + r * out_step), the tables loaded once.
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void fp8_rows_bf16_vbmi(const uint8_t* x, int64_t x_step,
+                                                                             int64_t rows, int64_t n, uint16_t* out,
+                                                                             int64_t out_step) {
   struct Tables {
     alignas(64) uint8_t lo[128], hi[128];
     alignas(64) uint8_t order[2][64];                  // word i = (lo byte i, hi byte i): indices i, 64 + i
@@ -485,16 +487,26 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void fp8_codes_bf16_vbmi(
   const __m512i hi0 = _mm512_load_si512(tab.hi), hi1 = _mm512_load_si512(tab.hi + 64);
   const __m512i low7 = _mm512_set1_epi8(0x7F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i first = _mm512_load_si512(tab.order[0]), second = _mm512_load_si512(tab.order[1]);
-  int64_t d = 0;
-  for (; d + 64 <= n; d += 64) {
-    const __m512i b = _mm512_loadu_si512(x + d);
-    const __m512i em = _mm512_and_si512(b, low7);
-    const __m512i lo = _mm512_permutex2var_epi8(lo0, em, lo1);
-    const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(hi0, em, hi1), _mm512_and_si512(b, sign));
-    _mm512_storeu_si512(out + d, _mm512_permutex2var_epi8(lo, first, hi));
-    _mm512_storeu_si512(out + d + 32, _mm512_permutex2var_epi8(lo, second, hi));
+  for (int64_t r = 0; r < rows; ++r, x += x_step, out += out_step) {
+    int64_t d = 0;
+    for (; d + 64 <= n; d += 64) {
+      const __m512i b = _mm512_loadu_si512(x + d);
+      const __m512i em = _mm512_and_si512(b, low7);
+      const __m512i lo = _mm512_permutex2var_epi8(lo0, em, lo1);
+      const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(hi0, em, hi1), _mm512_and_si512(b, sign));
+      _mm512_storeu_si512(out + d, _mm512_permutex2var_epi8(lo, first, hi));
+      _mm512_storeu_si512(out + d + 32, _mm512_permutex2var_epi8(lo, second, hi));
+    }
+    if (d < n) fp8_codes_bf16_avx512(x + d, n - d, out + d);
   }
-  if (d < n) fp8_codes_bf16_avx512(x + d, n - d, out + d);
+}
+
+void fp8_codes_bf16_vbmi(const uint8_t* x, int64_t n, uint16_t* out) { fp8_rows_bf16_vbmi(x, n, 1, n, out, n); }
+
+bool cpu_has_avx512vbmi() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vbmi");
+  return has;
 }
 
 // 32 int8 codes at a time to bf16 (exact: |code| <= 128 has at most 8 significant bits)
@@ -514,8 +526,7 @@ void decode_codes(const uint8_t* x, int64_t n, bool fp8, mm_t* out) {
   if constexpr (std::is_same_v<mm_t, c10::BFloat16>) {
     static const bool bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     static const bool bf16 = bw && __builtin_cpu_supports("avx512bf16");
-    static const bool vbmi = bw && __builtin_cpu_supports("avx512vbmi");
-    if (fp8 && vbmi) return fp8_codes_bf16_vbmi(x, n, reinterpret_cast<uint16_t*>(out));
+    if (fp8 && cpu_has_avx512vbmi()) return fp8_codes_bf16_vbmi(x, n, reinterpret_cast<uint16_t*>(out));
     if (fp8 && bw) return fp8_codes_bf16_avx512(x, n, reinterpret_cast<uint16_t*>(out));
     if (!fp8 && bf16) return int8_codes_bf16_avx512(x, n, reinterpret_cast<uint16_t*>(out));
   }
@@ -638,10 +649,12 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
       const uint8_t* codes = quant->codes(first);
       const float* scales = quant->scale_at(first);
       const int64_t cs = quant->code_step(), ss = quant->scale_step();
-      for (int64_t j = j0; j < j1; ++j) {
-        decode_codes<mm_t>(codes + j * cs, D, quant->fp8, widened.data() + j * Dp);
-        kscale[j] = scales[j * ss];
+      for (int64_t j = j0; j < j1; ++j) kscale[j] = scales[j * ss];
+      if constexpr (std::is_same_v<mm_t, c10::BFloat16>) {
+        if (quant->fp8 && cpu_has_avx512vbmi())           // (the rows at once: the tables loaded once)
+          return fp8_rows_bf16_vbmi(codes + j0 * cs, cs, j1 - j0, D, reinterpret_cast<uint16_t*>(widened.data() + j0 * Dp), Dp);
       }
+      for (int64_t j = j0; j < j1; ++j) decode_codes<mm_t>(codes + j * cs, D, quant->fp8, widened.data() + j * Dp);
     };
     // rows [first, first + m) of the keys as [m, Dp] operand rows (m <= CHUNK)
     auto key_rows = [&](int64_t first, int64_t m) -> const mm_t* {
