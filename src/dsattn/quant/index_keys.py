@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common.checks import check_choice, content_checks_enabled, fail, host_ints
-from .block import QMAX, quantize_tiles
+from .block import quantize_tiles
 
 KEY_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE_LAYOUTS = ("separate", "row", "block")
