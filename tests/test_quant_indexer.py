@@ -388,3 +388,30 @@ def test_block_layout_takes_each_cache_shape():
     for shape in ((nb, bs * (D + 4)), (nb, bs, D + 4), (nb, bs, 1, D + 4)):
         got = ops.quant_lightning_indexer(q, blocks.view(shape), w, None, None, 8, 0, **kw)
         assert torch.equal(got[0], want[0]), shape
+
+
+def test_writer_and_facade_errors_name_the_argument():
+    k = torch.randn(4, 16)
+    with pytest.raises(TypeError, match="dtype: expected torch.int8 or torch.float8_e4m3fn"):
+        quantize_index_keys(k, torch.uint8)
+    with pytest.raises(TypeError, match="k: expected a float tensor"):
+        quantize_index_keys(k.to(torch.int32))
+    with pytest.raises(TypeError, match="values: is uint8"):
+        dequantize_index_keys(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4))
+    cache = torch.zeros(2, 16, 1, 16, dtype=torch.int8)
+    with pytest.raises(TypeError, match="k: expected a float \\[T, D\\] tensor"):
+        store_index_keys(k[None], torch.arange(4), cache, torch.zeros(2, 16, 1))
+    with pytest.raises(ValueError, match="slot_mapping: expected int32 / int64 \\[T=4\\]"):
+        store_index_keys(k, torch.arange(3), cache, torch.zeros(2, 16, 1))
+    with pytest.raises(ValueError, match="key_dequant_scale: is required"):
+        store_index_keys(k, torch.arange(4), cache)
+    case = cases.quant_indexer_case(cases.indexer_case("TND", 4, torch.bfloat16, seed=2), torch.int8, "separate",
+                                    "quant")
+    x = case.extra
+    args = (case.q, x["key"], x["w"], x["query_dequant_scale"], x["key_dequant_scale"])
+    with pytest.raises(ValueError, match="key_quant_mode: value 1 differs"):
+        dsattn.npu_quant_lightning_indexer(*args, key_quant_mode=1, layout_query="TND", layout_key="TND")
+    with pytest.raises(ValueError, match="actual_seq_lengths_query: is required for a TND layout"):
+        dsattn.npu_quant_lightning_indexer(*args, layout_query="TND", layout_key="TND")
+    with pytest.raises(ValueError, match="layout_key: "):
+        dsattn.npu_quant_lightning_indexer(*args, layout_query="TND", layout_key="PA_ND")

@@ -36,24 +36,24 @@ KEY_BLOCK = 4096                 # keys scored per GEMM in the shared-key path (
 SCORE_BUDGET = 64 << 20          # bytes of [rows, heads, keys] scores per step
 
 
-def native_indexer(P: IndexerProblem):
-    """The compiled top-k (dsattn/native/indexer.cpp) where it applies: CPU tensors of a dtype it
-    takes, plain keys (not packed), the extension built.  Else None."""
+def _cpu_kernels(P):
+    """The compiled layer where a call's query suits it: a CPU tensor of a dtype its kernels take (a
+    quantised query's codes arrive as bf16), the extension built.  Else None."""
     if P.q.device.type != "cpu" or P.q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return None
-    if P.k.flat_rows() is None:
         return None
     from .. import native
     return native.kernels()
+
+
+def native_indexer(P: IndexerProblem):
+    """The compiled top-k (dsattn/native/indexer.cpp) where it applies: plain keys lying one after
+    another (not coded, not strided) and :func:`_cpu_kernels`.  Else None."""
+    return _cpu_kernels(P) if P.k.flat_rows() is not None else None
 
 
 def native_quant_indexer(P):
-    """The compiled top-k over quantised keys where it applies: CPU tensors, a query of a dtype it takes
-    (a quantised query's codes arrive as bf16), the extension built.  Else None."""
-    if P.q.device.type != "cpu" or P.q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return None
-    from .. import native
-    return native.kernels()
+    """The compiled top-k over a quantised pool where it applies (any pool the op accepts)."""
+    return _cpu_kernels(P)
 
 
 def quant_indexer_native(P, topk: int, offset: torch.Tensor | None):

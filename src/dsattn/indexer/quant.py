@@ -50,12 +50,8 @@ class QuantKeys(KVSource):
         return self.pool.gather(i0, i1)
 
     def row(self, b: int, x: int) -> torch.Tensor:
-        blk, slot = self._address(b, x)
-        return self.pool.gather(torch.tensor(blk), torch.tensor(slot))
-
-    def _address(self, b: int, x: int) -> tuple[int, int]:
         row = self._row_index(b, x)
-        return row // self.pool.bs, row % self.pool.bs
+        return self.pool.gather(torch.tensor(row // self.pool.bs), torch.tensor(row % self.pool.bs))
 
     def _row_index(self, b: int, x: int) -> int:
         if self.layout == "BSND":
@@ -64,9 +60,6 @@ class QuantKeys(KVSource):
             return int(self.cu[b]) + x
         super()._row(b, x)                                   # (the block table's checks and errors)
         return int(self.block_table[b, x // self.pool.bs]) * self.pool.bs + x % self.pool.bs
-
-    def flat_rows(self):
-        return None
 
 
 @dataclasses.dataclass
@@ -164,12 +157,14 @@ def parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_sc
     base.update(kw)
     P = parse_indexer(q, stand_in, weights, k_layouts=K_LAYOUTS, content=content, problem_cls=QuantIndexerProblem,
                       source_cls=QuantKeys, **base)
-    P.k.pool, P.k.decode, P.k.decoded_dim = pool, _decoded, D
+    P.k.pool, P.k.decode = pool, _decoded
     P.pool, P.q_scale = pool, None if q_scale is None else P.rows.flat(q_scale)
     return P, check_offset(offset, P, layout_q), return_value
 
 
-def _decoded(rows):                          # (QuantKeys.gather decodes; set so that span() gathers)
+def _decoded(rows):
+    """(QuantKeys.gather decodes; a decoder set marks the source as coded, so that span() gathers through
+    it and flat_rows() offers no plain rows)"""
     return rows
 
 

@@ -429,7 +429,6 @@ struct QuantKeys {
   bool fp8;
   const uint8_t* codes(int64_t r) const { return values + (r / bs) * value_block + (r % bs) * value_row; }
   const float* scale_at(int64_t r) const { return scales + (r / bs) * scale_block + (r % bs) * scale_row; }
-  float scale(int64_t r) const { return *scale_at(r); }
   // from key r to key r + 1 of one chunk (the chunks of a row never leave a block; with one key per block,
   // as TND keys are, consecutive keys are consecutive blocks): one division per chunk, not two per key
   int64_t code_step() const { return bs == 1 ? value_block : value_row; }
@@ -504,8 +503,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void fp8_rows_bf16_vbmi(c
 void fp8_codes_bf16_vbmi(const uint8_t* x, int64_t n, uint16_t* out) { fp8_rows_bf16_vbmi(x, n, 1, n, out, n); }
 
 bool cpu_has_avx512vbmi() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vbmi");
+  static const bool has = dsattn_native::cpu_has_avx512bw() && __builtin_cpu_supports("avx512vbmi");
   return has;
 }
 
@@ -524,7 +522,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int8_codes_bf16_avx5
 template <typename mm_t>
 void decode_codes(const uint8_t* x, int64_t n, bool fp8, mm_t* out) {
   if constexpr (std::is_same_v<mm_t, c10::BFloat16>) {
-    static const bool bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    const bool bw = dsattn_native::cpu_has_avx512bw();
     static const bool bf16 = bw && __builtin_cpu_supports("avx512bf16");
     if (fp8 && cpu_has_avx512vbmi()) return fp8_codes_bf16_vbmi(x, n, reinterpret_cast<uint16_t*>(out));
     if (fp8 && bw) return fp8_codes_bf16_avx512(x, n, reinterpret_cast<uint16_t*>(out));

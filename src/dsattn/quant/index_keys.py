@@ -36,10 +36,6 @@ SCALE_DTYPES = (torch.float32, torch.float16)
 SCALE_BYTES = 4
 
 
-def key_format_name(dtype: torch.dtype) -> str:
-    return "int8" if dtype == torch.int8 else "fp8"
-
-
 def check_key_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype == torch.uint8:
         fail(name, "is uint8: view it as torch.int8 or torch.float8_e4m3fn to say which format its bytes hold",
@@ -91,7 +87,7 @@ def _float_view(base: torch.Tensor, byte_offset: int, size: tuple, byte_strides:
 class IndexKeyPool:
     """Token ``r`` (flat, ``r = block x bs + slot``) has its D value bytes at ``values[r // bs, r % bs]``
     and its scale at ``scales[r // bs, r % bs]``: strided views of the caller's own memory (no copy),
-    whose byte strides the compiled kernel reads (:meth:`fields`)."""
+    whose strides the compiled kernel reads."""
 
     dtype: torch.dtype          # int8 / float8_e4m3fn
     D: int
@@ -114,12 +110,8 @@ class IndexKeyPool:
         return self.values.view(self.dtype).float() * self.scales.float()[..., None]
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8)
-
-
-def _strided(u: torch.Tensor, size: tuple, strides: tuple, offset: int = 0) -> torch.Tensor:
-    return torch.as_strided(u, size, strides, u.storage_offset() + offset)
+def _strided(u: torch.Tensor, size: tuple, strides: tuple) -> torch.Tensor:
+    return torch.as_strided(u, size, strides, u.storage_offset())
 
 
 def _check_aligned(name: str, what: str, value: int) -> None:
@@ -144,14 +136,14 @@ def index_key_pool(key: torch.Tensor, key_dequant_scale: torch.Tensor | None, la
         fail("key_dequant_scale", "is required with key_scale_layout='separate' (or give keys with their scales "
              "in place: key_scale_layout 'row' or 'block')")
     width = D if scale_layout == "separate" else D + SCALE_BYTES
-    u = _bytes(key)
+    u = key.view(torch.uint8)
     if scale_layout == "block" and key.dim() == 2:
         if key.size(1) % width or key.size(1) == 0:
             fail("key", f"a [num_blocks, block bytes] block cache needs block bytes = block_size x (D + 4) = "
                  f"block_size x {width}; got {key.size(1)}")
         if key.stride(1) != 1:
             fail("key", "each block's bytes must lie one after another (stride 1 in the last dim)")
-        blocks, bs, block_stride = key.size(0), key.size(1) // width, key.stride(0)
+        blocks, bs, block_stride, row_stride = key.size(0), key.size(1) // width, key.stride(0), width
     else:
         rank = 3 if layout == "TND" else 4
         shapes = {"BSND": "[B, S2, 1, {w}]", "TND": "[T2, 1, {w}]", "PA_BBND": "[num_blocks, block_size, 1, {w}]"}
@@ -178,7 +170,6 @@ def index_key_pool(key: torch.Tensor, key_dequant_scale: torch.Tensor | None, la
         _check_aligned("key", "the byte offset", u.storage_offset())
         scales = _float_view(u, u.storage_offset() + bs * D, (blocks, bs), (block_stride, SCALE_BYTES))
     else:
-        row_stride = block_stride if layout == "TND" else key.stride(1)
         values = _strided(u, (blocks, bs, D), (block_stride, row_stride, 1))
         if scale_layout == "row":
             for what, v in (("the row stride", row_stride), ("the block stride", block_stride),
