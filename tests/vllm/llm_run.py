@@ -1,0 +1,47 @@
+"""Run vLLM offline in a fresh process (the platform is chosen once per process) and print JSON.
+
+    python llm_run.py '<json spec>'
+
+spec: ``model``, ``engine`` (LLM keyword arguments), ``prompts`` (token-id lists), ``max_tokens``,
+optional ``late`` ({"prompt": [...], "after_steps": n}: a request added while the others decode).
+Output (last stdout line): per request ``tokens``, ``logprobs`` (of the chosen tokens) and ``top5``.
+"""
+import json
+import sys
+
+
+def result(out):
+    o = out.outputs[0]
+    return dict(tokens=list(o.token_ids), logprobs=[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],
+                top5=[sorted(lp, key=lambda t: -lp[t].logprob)[:5] for lp in o.logprobs])
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=spec["model"], **spec.get("engine", {}))
+    sp = SamplingParams(max_tokens=spec.get("max_tokens", 24), temperature=0, logprobs=5, detokenize=False,
+                        ignore_eos=True)
+    late = spec.get("late")
+    if late is None:
+        outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], sp, use_tqdm=False)
+        res = [result(o) for o in outs]
+    else:
+        engine = llm.llm_engine
+        for i, p in enumerate(spec["prompts"]):
+            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+        done, steps = {}, 0
+        while engine.has_unfinished_requests() or late is not None:
+            if late is not None and steps == late["after_steps"]:
+                engine.add_request("late", {"prompt_token_ids": late["prompt"]}, sp)
+                late = None
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = result(o)
+            steps += 1
+        res = [done[str(i)] for i in range(len(spec["prompts"]))] + [done["late"]]
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
