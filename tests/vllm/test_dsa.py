@@ -3,8 +3,7 @@ model with the same weights (tiny checkpoints written here; nothing downloaded).
 import pytest
 
 from dsattn.integrations.vllm import tiny
-from conftest import MAX_TOKENS, compare, run_llm
-from reference import fp8_cache_rounding, hf_greedy
+from vllm_helpers import MAX_TOKENS, compare, fp8_cache_rounding, hf_greedy, run_llm
 
 PROMPTS = tiny.prompts((40, 57, 23, 71))
 
@@ -45,3 +44,11 @@ def test_fp8_ds_mla_caches(checkpoint):
     with fp8_cache_rounding():
         rounded = hf_greedy(checkpoint, PROMPTS, MAX_TOKENS)
     compare(got, rounded, tol=2e-2, min_match=0.9)
+
+
+def test_tensor_parallel_2(checkpoint, reference):
+    """Two CPU workers (heads split, the indexer replicated): the same greedy tokens as one."""
+    if "Glm" in checkpoint.name:
+        pytest.skip("one architecture is enough for the parallel path (CI time)")
+    got = run_llm(checkpoint, PROMPTS, engine=dict(tensor_parallel_size=2))
+    compare(got, reference, tol=1e-4, min_match=0.95)
