@@ -1,5 +1,7 @@
 """DeepSeek-V3.2 / GLM-5 (DSA) served by vLLM on CPU through dsattn, against transformers' eager
 model with the same weights (tiny checkpoints written here; nothing downloaded)."""
+import os
+
 import pytest
 
 from dsattn.integrations.vllm import tiny
@@ -20,8 +22,9 @@ def reference(checkpoint):
 
 def test_same_tokens_as_transformers(checkpoint, reference):
     """fp32, bf16-free: exact same greedy tokens, log-probs within 1e-4; index_topk 16 is well below
-    every prompt, so the indexer's choice decides."""
-    got = run_llm(checkpoint, PROMPTS)
+    every prompt, so the indexer's choice decides.  vLLM's default graph capture (no enforce_eager):
+    the indexer is one opaque op in it."""
+    got = run_llm(checkpoint, PROMPTS, engine=dict(enforce_eager=False))
     matched, total = compare(got, reference, tol=1e-4, min_match=0.95)
     assert matched == total
 
@@ -48,7 +51,10 @@ def test_fp8_ds_mla_caches(checkpoint):
 
 def test_tensor_parallel_2(checkpoint, reference):
     """Two CPU workers (heads split, the indexer replicated): the same greedy tokens as one."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two CPU workers need two cores")
     if "Glm" in checkpoint.name:
         pytest.skip("one architecture is enough for the parallel path (CI time)")
-    got = run_llm(checkpoint, PROMPTS, engine=dict(tensor_parallel_size=2))
+    # one core per worker: vLLM binds each worker to a NUMA node by default and this machine has one
+    got = run_llm(checkpoint, PROMPTS, engine=dict(tensor_parallel_size=2), env=dict(VLLM_CPU_OMP_THREADS_BIND="0|1"))
     compare(got, reference, tol=1e-4, min_match=0.95)

@@ -28,6 +28,7 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionLayer, AttentionMetadata,
                                        AttentionMetadataBuilder, CommonAttentionMetadata, MLAAttentionImpl,
                                        MultipleOf)
@@ -279,36 +280,46 @@ def indexer_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positio
     return self.indexer_op(hidden_states, q, k, weights)
 
 
+def dsa_indexer(q: torch.Tensor, k: torch.Tensor | None, weights: torch.Tensor, kv_cache: torch.Tensor,
+                topk_indices_buffer: torch.Tensor, k_cache_prefix: str, topk_tokens: int) -> None:
+    """Write this step's indexer keys into ``kv_cache`` and each token's top-k (request-local key
+    positions, -1 padded) into ``topk_indices_buffer``.  An opaque op for vLLM's graph capture: the
+    step's metadata is read from the forward context, as vLLM's own indexer op does."""
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        return                                        # profiling run: no metadata
+    meta: DsattnIndexerMetadata = attn_metadata[k_cache_prefix]
+    T = meta.num_actual_tokens
+    fp8 = kv_cache.dtype == torch.uint8
+    cache = kv_cache.view(torch.float8_e4m3fn) if fp8 else kv_cache   # fp8: values, then fp32 scales per block
+    if k is not None:
+        if fp8:
+            store_index_keys(k[:T].float(), meta.slot_mapping, cache, key_scale_layout="block")
+        else:
+            store_rows(cache, k[:T].to(cache.dtype), meta.slot_mapping)
+    common = dict(cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens, block_table=meta.block_table,
+                  layout_q="TND", layout_k="PA_BBND", mask_mode=3)
+    if fp8:
+        idx, _ = ops.quant_lightning_indexer(q[:T], cache, weights[:T].float(), None, None, topk_tokens, 0,
+                                             key_scale_layout="block", **common)
+    else:
+        idx, _ = ops.lightning_indexer(q[:T], cache.unsqueeze(2), weights[:T].float(), topk_tokens, **common)
+    topk_indices_buffer[:T, :topk_tokens] = idx[:, 0]
+
+
+def _dsa_indexer_fake(q, k, weights, kv_cache, topk_indices_buffer, k_cache_prefix: str, topk_tokens: int) -> None:
+    return None
+
+
 class DsattnSparseAttnIndexer(SparseAttnIndexer):
-    """vLLM's ``SparseAttnIndexer`` on dsattn: key write, scores and top-k in one call per layer."""
+    """vLLM's ``SparseAttnIndexer`` on dsattn: key write, scores and top-k in one op per layer."""
 
     def forward_native(self, hidden_states, q, k, weights):
         return self.forward_cpu(hidden_states, q, k, weights)
 
     def forward_cpu(self, hidden_states: torch.Tensor, q, k: torch.Tensor | None, weights: torch.Tensor):
-        attn_metadata = get_forward_context().attn_metadata
-        if not isinstance(attn_metadata, dict):
-            return self.topk_indices_buffer          # profiling run: no metadata
-        meta: DsattnIndexerMetadata = attn_metadata[self.k_cache.prefix]
-        T = meta.num_actual_tokens
-        cache = self.k_cache.kv_cache                 # [num_blocks, block_size, row]
-        fp8 = cache.dtype == torch.uint8
-        if fp8:
-            cache = cache.view(torch.float8_e4m3fn)   # vLLM's bytes: FP8 values, then fp32 scales
-        if k is not None:
-            if fp8:
-                store_index_keys(k[:T].float(), meta.slot_mapping, cache, key_scale_layout="block")
-            else:
-                store_rows(cache, k[:T].to(cache.dtype), meta.slot_mapping)
-        common = dict(cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens, block_table=meta.block_table,
-                      layout_q="TND", layout_k="PA_BBND", mask_mode=3)
-        topk = self.topk_tokens
-        if fp8:
-            idx, _ = ops.quant_lightning_indexer(q[:T], cache, weights[:T].float(),
-                                                 None, None, topk, 0, key_scale_layout="block", **common)
-        else:
-            idx, _ = ops.lightning_indexer(q[:T], cache.unsqueeze(2), weights[:T].float(), topk, **common)
-        self.topk_indices_buffer[:T, :topk] = idx[:, 0]
+        torch.ops.vllm.dsattn_dsa_indexer(q, k, weights, self.k_cache.kv_cache, self.topk_indices_buffer,
+                                          self.k_cache.prefix, self.topk_tokens)
         return self.topk_indices_buffer
 
 
@@ -326,4 +337,6 @@ def install() -> None:
     cache_cls.get_kv_cache_spec = indexer_cache_spec
     cache_cls.get_attn_backend = indexer_cache_backend
     deepseek_v2.Indexer.forward = indexer_forward
+    direct_register_custom_op("dsattn_dsa_indexer", dsa_indexer, mutates_args=["kv_cache", "topk_indices_buffer"],
+                              fake_impl=_dsa_indexer_fake, dispatch_key="CPU")
     SparseAttnIndexer.register_oot(DsattnSparseAttnIndexer, name="SparseAttnIndexer")
