@@ -94,3 +94,8 @@ def _rotate(x, pos, neox):
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], -1).flatten(-2)
+
+
+def test_tiny_checkpoint_names_a_dsa_architecture():
+    with pytest.raises(ValueError, match="arch: 'LlamaForCausalLM' is not a DSA architecture"):
+        tiny.dsa_config("LlamaForCausalLM")

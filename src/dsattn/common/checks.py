@@ -126,3 +126,15 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 def host_ints(t: torch.Tensor) -> list[int]:
     """Values of a small int tensor, for content checks and the reference only."""
     return [int(v) for v in t.detach().cpu().tolist()]
+
+
+def check_slots(slot_mapping: torch.Tensor, num_slots: int, name: str = "slot_mapping") -> None:
+    """Content check of a cache write's flat slots: each is -1 (not written) or in ``[0, num_slots)``.
+    One pass over the tensor (a write can carry a whole prefill's tokens), then the first bad entry."""
+    if slot_mapping.numel() == 0:
+        return
+    s = slot_mapping.detach()
+    bad = (s < -1) | (s >= num_slots)
+    if bool(bad.any()):
+        i = int(bad.to(torch.int8).argmax())
+        fail(name, f"value {int(s[i])} at row {i} is neither -1 nor a slot in [0, {num_slots})")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.checks import check_choice, content_checks_enabled, fail, host_ints
+from ..common.checks import check_choice, check_slots, content_checks_enabled, fail
 from .block import quantize_tiles
 
 KEY_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -215,9 +215,7 @@ def store_index_keys(k: torch.Tensor, slot_mapping: torch.Tensor, key_cache: tor
     if k.size(0) == 0:
         return scales
     if content_checks_enabled(k, slot_mapping):
-        for t, s in enumerate(host_ints(slot_mapping)):
-            if s < -1 or s >= pool.rows:
-                fail("slot_mapping", f"value {s} at token {t} is neither -1 nor a slot in [0, {pool.rows})")
+        check_slots(slot_mapping, pool.rows)
     keep = slots >= 0
     # skipped tokens rewrite the first kept token's slot with its bytes (no data-dependent shapes: no
     # host sync on an accelerator); with none kept, token 0 rewrites slot 0 with what it holds

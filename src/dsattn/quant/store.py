@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.checks import check_choice, content_checks_enabled, fail, host_ints
+from ..common.checks import check_choice, check_slots, content_checks_enabled, fail
 from ..common.paged import write_rows
 from ..common.rope import check_rotary_args, rms_norm, rotary
 from .block import PAYLOAD_DTYPES, quantize_tiles
@@ -69,9 +69,7 @@ def parse_store(kv, gamma, cos, sin, kv_cache, slot_mapping, *, eps=1e-6, rope_h
     if content is None:
         content = content_checks_enabled(kv, kv_cache, slot_mapping)
     if content:
-        for t, s in enumerate(host_ints(slot_mapping)):
-            if s < -1 or s >= flat.size(0):
-                fail("slot_mapping", f"value {s} at row {t} is neither -1 nor a slot in [0, {flat.size(0)})")
+        check_slots(slot_mapping, flat.size(0))
     return StoreProblem(rows, gamma, cos if R else None, sin if R else None, flat, slot_mapping.to(torch.int64),
                         eps, R, rotary_mode)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.checks import check_same_device, content_checks_enabled, fail, host_ints
+from ..common.checks import check_same_device, check_slots, content_checks_enabled, fail, host_ints
 from ..common.paged import write_rows
 
 
@@ -35,9 +35,7 @@ def store_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tens
         fail("slot_mapping", f"expected shape [N={rows.size(0)}], got {tuple(slot_mapping.shape)}")
     total = cache.size(0) * cache.size(1)
     if content_checks_enabled(cache, slot_mapping):
-        for i, s in enumerate(host_ints(slot_mapping)):
-            if s < -1 or s >= total:
-                fail("slot_mapping", f"value {s} at row {i} is neither -1 nor a slot in [0, {total})")
+        check_slots(slot_mapping, total)
     flat = cache.view(total, -1)
     slots = slot_mapping.to(torch.int64)
     write_rows(flat, slots.clamp(min=0), slots >= 0, rows.reshape(rows.size(0), -1))

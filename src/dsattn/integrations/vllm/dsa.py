@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
@@ -42,19 +42,15 @@ from ...quant.index_keys import store_index_keys
 from ...serving.caches import store_rows
 
 FP8_CACHE = "fp8_ds_mla"
-INDEX_FP8_BYTES = 128 + 4          # vLLM's indexer key: 128 FP8 values + one fp32 scale
 
 
 def _quantised(kv_cache_dtype: str) -> bool:
     return kv_cache_dtype == FP8_CACHE
 
 
-def _cache_dtype_str() -> str:
-    return get_current_vllm_config().cache_config.cache_dtype
-
-
 # --------------------------------------------------------------------------------------------
-# per-step metadata (plain torch on host tensors: vLLM's builders launch Triton kernels)
+# per-step metadata, one builder for the attention layers and the indexer caches (plain torch on host
+# tensors: vLLM's builders launch Triton kernels)
 
 @dataclass
 class DsattnDSAMetadata(AttentionMetadata):
@@ -200,32 +196,6 @@ class DsattnSparseMLAImpl(MLAAttentionImpl[DsattnDSAMetadata], SharedTopkIndices
 # --------------------------------------------------------------------------------------------
 # the indexer
 
-@dataclass
-class DsattnIndexerMetadata:
-    num_actual_tokens: int
-    query_start_loc: torch.Tensor      # int32 [num_reqs + 1]
-    seq_lens: torch.Tensor             # int32 [num_reqs]
-    block_table: torch.Tensor          # int32 [num_reqs, max_blocks]
-    slot_mapping: torch.Tensor         # int64 [num_actual_tokens]
-
-
-class DsattnIndexerMetadataBuilder(AttentionMetadataBuilder[DsattnIndexerMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-
-    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
-                 device: torch.device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> DsattnIndexerMetadata:
-        m = common_attn_metadata
-        B, T = m.num_reqs, m.num_actual_tokens
-        return DsattnIndexerMetadata(
-            num_actual_tokens=T, query_start_loc=m.query_start_loc[:B + 1].to(torch.int32),
-            seq_lens=m.seq_lens[:B].to(torch.int32), block_table=m.block_table_tensor[:B].to(torch.int32),
-            slot_mapping=m.slot_mapping[:T].long())
-
-
 class DsattnIndexerBackend(AttentionBackend):
     @staticmethod
     def get_name() -> str:
@@ -241,7 +211,7 @@ class DsattnIndexerBackend(AttentionBackend):
 
     @staticmethod
     def get_builder_cls() -> type:
-        return DsattnIndexerMetadataBuilder
+        return DsattnDSAMetadataBuilder
 
     @staticmethod
     def get_impl_cls() -> type:
@@ -251,12 +221,12 @@ class DsattnIndexerBackend(AttentionBackend):
 def indexer_cache_spec(self, vllm_config: VllmConfig):
     """The indexer key cache: vLLM's 132-byte FP8 rows with ``fp8_ds_mla``, else keys of the model
     dtype (no rounding, as the model computes them)."""
-    block_size = self.cache_config.block_size
-    if _quantised(self.cache_config.cache_dtype):
-        return _ORIGINAL["spec"](self, vllm_config)
-    dim = vllm_config.model_config.hf_text_config.index_head_dim
     spec = _ORIGINAL["spec"](self, vllm_config)
-    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, max_tp_shards=1, head_size=dim,
+    if _quantised(self.cache_config.cache_dtype):
+        return spec
+    # a fresh spec (its derived sizes follow head_size and dtype), same role and block size
+    return MLAAttentionSpec(block_size=spec.block_size, num_kv_heads=1, max_tp_shards=1,
+                            head_size=vllm_config.model_config.hf_text_config.index_head_dim,
                             dtype=vllm_config.model_config.dtype, cache_role=spec.cache_role)
 
 
@@ -288,7 +258,7 @@ def dsa_indexer(q: torch.Tensor, k: torch.Tensor | None, weights: torch.Tensor, 
     attn_metadata = get_forward_context().attn_metadata
     if not isinstance(attn_metadata, dict):
         return                                        # profiling run: no metadata
-    meta: DsattnIndexerMetadata = attn_metadata[k_cache_prefix]
+    meta: DsattnDSAMetadata = attn_metadata[k_cache_prefix]
     T = meta.num_actual_tokens
     fp8 = kv_cache.dtype == torch.uint8
     cache = kv_cache.view(torch.float8_e4m3fn) if fp8 else kv_cache   # fp8: values, then fp32 scales per block
@@ -314,9 +284,6 @@ def _dsa_indexer_fake(q, k, weights, kv_cache, topk_indices_buffer, k_cache_pref
 class DsattnSparseAttnIndexer(SparseAttnIndexer):
     """vLLM's ``SparseAttnIndexer`` on dsattn: key write, scores and top-k in one op per layer."""
 
-    def forward_native(self, hidden_states, q, k, weights):
-        return self.forward_cpu(hidden_states, q, k, weights)
-
     def forward_cpu(self, hidden_states: torch.Tensor, q, k: torch.Tensor | None, weights: torch.Tensor):
         torch.ops.vllm.dsattn_dsa_indexer(q, k, weights, self.k_cache.kv_cache, self.topk_indices_buffer,
                                           self.k_cache.prefix, self.topk_tokens)
@@ -332,8 +299,7 @@ def install() -> None:
         return
     from vllm.model_executor.models import deepseek_v2
     cache_cls = deepseek_v2.DeepseekV32IndexerCache
-    _ORIGINAL.update(spec=cache_cls.get_kv_cache_spec, backend=cache_cls.get_attn_backend,
-                     forward=deepseek_v2.Indexer.forward)
+    _ORIGINAL["spec"] = cache_cls.get_kv_cache_spec
     cache_cls.get_kv_cache_spec = indexer_cache_spec
     cache_cls.get_attn_backend = indexer_cache_backend
     deepseek_v2.Indexer.forward = indexer_forward

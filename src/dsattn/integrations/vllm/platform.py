@@ -8,6 +8,7 @@ user's scheduler settings.  Every other model takes :class:`CpuPlatform`'s path 
 """
 from __future__ import annotations
 
+from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
@@ -18,26 +19,28 @@ DSA_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_ds_mla")
 DSA_DEFAULT_BLOCK = 64
 
 
-def is_dsa(hf_config) -> bool:
-    """DeepSeek-V3.2 style sparse attention (an indexer with ``index_topk``); V4 has its own path."""
-    return (hasattr(hf_config, "index_topk")
-            and getattr(hf_config, "model_type", None) != "deepseek_v4")
+DSA_ARCHS = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+
+
+def serves(model_config) -> bool:
+    """The models this platform serves differently: DeepSeek-V3.2-style sparse attention (other sparse
+    models, e.g. GLM-5-Next's key pool or DeepSeek-V4, keep vLLM's own path)."""
+    return model_config is not None and any(a in DSA_ARCHS for a in (model_config.architectures or ()))
 
 
 class DsattnCpuPlatform(CpuPlatform):
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
-        if attn_selector_config.use_sparse and attn_selector_config.use_mla:
+        if (attn_selector_config.use_sparse and attn_selector_config.use_mla
+                and serves(get_current_vllm_config().model_config)):
             logger.info_once("dsattn: sparse MLA (DSA) on dsattn's kernels.")
             return DSA_BACKEND
         return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
-        model_config = vllm_config.model_config
-        dsa = model_config is not None and is_dsa(model_config.hf_text_config)
-        if not dsa:
+        if not serves(vllm_config.model_config):
             return super().check_and_update_config(vllm_config)
         cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
         if cache.cache_dtype not in DSA_CACHE_DTYPES:

@@ -12,7 +12,6 @@ index, ``torch.topk`` (transformers) by whatever its kernel meets first.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -66,9 +65,6 @@ def write_dsa(path, arch: str = "DeepseekV32ForCausalLM", *, seed: int = 0, **ov
     model = getattr(transformers, arch)(config_cls(**cfg_kwargs)).float()
     model.save_pretrained(str(path))
     write_tokenizer(path, cfg_kwargs["vocab_size"])
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["architectures"] = [arch]
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
 
