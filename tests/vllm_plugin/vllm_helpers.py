@@ -51,9 +51,9 @@ def compare(got, want, tol, min_match=0.75):
     return matched, total
 
 
-def hf_greedy(model_dir, prompts, max_tokens):
+def hf_greedy(model_dir, prompts, max_tokens, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
                                                  attn_implementation="eager").eval()
     res = []
     for p in prompts:

@@ -8,7 +8,6 @@ user's scheduler settings.  Every other model takes :class:`CpuPlatform`'s path 
 """
 from __future__ import annotations
 
-from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
@@ -32,6 +31,8 @@ class DsattnCpuPlatform(CpuPlatform):
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        # vllm.config imports the platform: read the current config lazily
+        from vllm.config import get_current_vllm_config
         if (attn_selector_config.use_sparse and attn_selector_config.use_mla
                 and serves(get_current_vllm_config().model_config)):
             logger.info_once("dsattn: sparse MLA (DSA) on dsattn's kernels.")
