@@ -84,7 +84,9 @@ def register() -> None:
                  type(current_platform).__name__)
         _REGISTERED = True
         return
-    from . import dsa, rope
+    from . import dsa, rope, v4, v4_metadata
     rope.install()
     dsa.install()
+    v4_metadata.install()
+    v4.install()
     _REGISTERED = True

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+V4_ARCH = "DeepseekV4ForCausalLM"
 SPECIALS = ("<s>", "</s>", "<unk>")
 
 
@@ -65,6 +66,57 @@ def write_dsa(path, arch: str = "DeepseekV32ForCausalLM", *, seed: int = 0, **ov
     model = getattr(transformers, arch)(config_cls(**cfg_kwargs)).float()
     model.save_pretrained(str(path))
     write_tokenizer(path, cfg_kwargs["vocab_size"])
+    return path
+
+
+def v4_config(**overrides) -> dict:
+    """A tiny DeepSeek-V4: the real attention widths (head 512 = 448 + rope 64, the 584-byte FP8 cache
+    rows, indexer keys of 128), one sliding-window, one CSA (ratio 4) and one HCA (ratio 128) layer, a
+    short window and ``index_topk`` so that both decide on prompts of a few hundred tokens.  64 routed
+    experts: the fewest vLLM's CPU hash / biased top-k kernels take."""
+    cfg = dict(architectures=[V4_ARCH], model_type="deepseek_v4", vocab_size=512, hidden_size=256,
+               moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=1,
+               head_dim=512, qk_rope_head_dim=64, q_lora_rank=128, o_lora_rank=128, o_groups=2, sliding_window=32,
+               compress_ratios=[0, 4, 128], num_hash_layers=1, compress_rope_theta=160000.0, rope_theta=10000.0,
+               index_n_heads=32, index_head_dim=128, index_topk=16, hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20,
+               n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=6, scoring_func="sqrtsoftplus",
+               norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0, rms_norm_eps=1e-6,
+               hidden_act="silu", topk_method="noaux_tc", max_position_embeddings=4096, initializer_range=0.1,
+               bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, torch_dtype="float32")
+    cfg.update(overrides)
+    return cfg
+
+
+# transformers 5 saves V4 under its own module names; DeepSeek's checkpoints (what vLLM's loader maps,
+# and what transformers converts on load) use these
+_V4_NATIVE = {"hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+              "hc_head.hc_scale": "hc_head_scale", "embed_tokens.weight": "embed.weight"}
+
+
+def _v4_native_name(name: str) -> str:
+    import re
+    name = name[len("model."):] if name.startswith("model.") else name
+    name = _V4_NATIVE.get(name, name)
+    return re.sub(r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm.", name)   # the attention's kv norm
+
+
+def write_v4(path, *, seed: int = 0, **overrides) -> Path:
+    """Write a tiny DeepSeek-V4 checkpoint (DeepSeek's tensor names; ``config.json`` written here: the
+    ``compress_ratios`` / ``num_hash_layers`` vLLM reads, which transformers' config folds into
+    ``layer_types`` on save) and return its folder.  transformers and vLLM both load it."""
+    import json
+    import safetensors.torch
+    import transformers
+    path = Path(path)
+    cfg = v4_config(**overrides)
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**cfg)).float()
+    model.save_pretrained(str(path))
+    weights = safetensors.torch.load_file(str(path / "model.safetensors"))
+    safetensors.torch.save_file({_v4_native_name(k): v.contiguous() for k, v in weights.items()},
+                                str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    write_tokenizer(path, cfg["vocab_size"])
     return path
 
 
