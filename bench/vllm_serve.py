@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 VARIANTS = ("vllm", "dsattn")
+BASELINES = ("vllm", "vllm-decode")
 
 
 def v4_flash_attention(layers: int) -> dict:
@@ -58,9 +59,10 @@ def worker(spec: dict) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, spec["vocab"], (n,), generator=g).tolist() for n in spec["lengths"]]
     max_len = max(spec["lengths"]) + spec["tokens"] + 16
+    chunk = spec["chunk"]
     llm = LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              enforce_eager=True, max_model_len=max_len, max_num_batched_tokens=max_len,
-              max_num_seqs=len(prompts), kv_cache_memory_bytes=spec["kv_bytes"])
+              enforce_eager=True, max_model_len=max_len, max_num_batched_tokens=chunk or max_len,
+              enable_chunked_prefill=bool(chunk), max_num_seqs=len(prompts), kv_cache_memory_bytes=spec["kv_bytes"])
     sp = SamplingParams(max_tokens=spec["tokens"], temperature=0, ignore_eos=True, detokenize=False)
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
@@ -110,6 +112,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-at", default="", help="per-context batch, e.g. 65536:1")
     ap.add_argument("--tokens", type=int, default=16, help="decode steps timed")
     ap.add_argument("--layers", type=int, default=1, help="CSA + HCA layer pairs")
+    ap.add_argument("--chunk", type=int, default=0, help="chunked prefill of this many tokens a step (0: off)")
+    ap.add_argument("--baseline", choices=BASELINES, default="vllm",
+                    help="vllm-decode: the baseline prefills on dsattn (vLLM's indexer prefill is quadratic: at 64K "
+                         "a quarter hour on two cores) and decodes on vLLM's kernels")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -129,23 +135,25 @@ def main(argv=None) -> int:
     (model / "config.json").write_text(json.dumps(cfg, indent=1))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"vllm {vllm.__version__}; model: {2 * args.layers} layers (CSA + HCA), 64 heads x 512, window 128, "
-          f"top-512, bf16, vLLM dummy weights, enforce_eager")
+          f"top-512, bf16, vLLM dummy weights, enforce_eager; chunked prefill: {args.chunk or 'off'}")
     print("| ctx | batch (prompt lengths) | variant | prefill s | decode tok/s | TPOT ms (median step) "
           "| TPOT dsattn / vLLM | tok/s dsattn / vLLM | peak RSS GB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for ctx in (int(c) for c in args.contexts.split(",")):
         lens = lengths(ctx, per_ctx.get(ctx, args.batch))
         kv_bytes = (sum(lens) // 4 + sum(lens) // 64 + len(lens) * 8192) * 700 + (256 << 20)
-        spec = dict(model=str(model), vocab=cfg["vocab_size"], lengths=lens, tokens=args.tokens, kv_bytes=kv_bytes)
+        spec = dict(model=str(model), vocab=cfg["vocab_size"], lengths=lens, tokens=args.tokens, kv_bytes=kv_bytes,
+                    chunk=args.chunk)
         res = {}
         for variant in VARIANTS:
-            res[variant] = run_variant(variant, spec, args.timeout)
+            res[variant] = run_variant(args.baseline if variant == "vllm" else variant, spec, args.timeout)
         v, d = res["vllm"], res["dsattn"]
         for variant in VARIANTS:
             r = res[variant]
             ratios = (f"{d['tpot_ms'] / v['tpot_ms']:.2f}x | {d['decode_tok_s'] / v['decode_tok_s']:.2f}x"
                       if variant == "dsattn" else " | ")
-            print(f"| {ctx // 1024}K | {len(lens)} ({', '.join(str(n) for n in lens)}) | {variant} | "
+            name = args.baseline if variant == "vllm" else variant
+            print(f"| {ctx // 1024}K | {len(lens)} ({', '.join(str(n) for n in lens)}) | {name} | "
                   f"{r['prefill_s']:.1f} | {r['decode_tok_s']:.2f} | {r['tpot_ms']:.1f} | {ratios} | {r['rss_gb']:.1f} |")
         sys.stdout.flush()
     return 0

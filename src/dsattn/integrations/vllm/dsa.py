@@ -287,8 +287,6 @@ class DsattnSparseAttnIndexer(SparseAttnIndexer):
     def forward_cpu(self, hidden_states: torch.Tensor, q, k: torch.Tensor | None, weights: torch.Tensor):
         if self.compress_ratio > 1:                  # DeepSeek-V4's CSA indexer (compressed keys)
             from . import v4
-            if v4.kernels() == "vllm":
-                return super().forward_cpu(hidden_states, q, k, weights)
             return v4.csa_indexer(self, hidden_states, q, k, weights)
         torch.ops.vllm.dsattn_dsa_indexer(q, k, weights, self.k_cache.kv_cache, self.topk_indices_buffer,
                                           self.k_cache.prefix, self.topk_tokens)

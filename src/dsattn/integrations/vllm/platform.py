@@ -19,12 +19,14 @@ DSA_DEFAULT_BLOCK = 64
 
 
 DSA_ARCHS = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+V4_ARCHS = ("DeepseekV4ForCausalLM",)
+V4_VLLM_TOPK = 512          # vLLM's CPU indexer (topk_transform_512_cpu) takes no other top-k
 
 
-def serves(model_config) -> bool:
-    """The models this platform serves differently: DeepSeek-V3.2-style sparse attention (other sparse
-    models, e.g. GLM-5-Next's key pool or DeepSeek-V4, keep vLLM's own path)."""
-    return model_config is not None and any(a in DSA_ARCHS for a in (model_config.architectures or ()))
+def serves(model_config, archs=DSA_ARCHS) -> bool:
+    """Whether the model is one of ``archs`` (default: the DSA models, whose attention backend this
+    platform replaces; other sparse models, e.g. GLM-5-Next's key pool, keep vLLM's own path)."""
+    return model_config is not None and any(a in archs for a in (model_config.architectures or ()))
 
 
 class DsattnCpuPlatform(CpuPlatform):
@@ -41,6 +43,8 @@ class DsattnCpuPlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
+        if serves(vllm_config.model_config, V4_ARCHS):
+            return cls._check_v4(vllm_config)
         if not serves(vllm_config.model_config):
             return super().check_and_update_config(vllm_config)
         cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
@@ -54,3 +58,24 @@ class DsattnCpuPlatform(CpuPlatform):
         # limits of its dense MLA decode kernel, which DSA models do not run.
         (cache.block_size, sched.enable_chunked_prefill, cache.enable_prefix_caching,
          sched.max_num_batched_tokens) = kept
+
+    @classmethod
+    def _check_v4(cls, vllm_config) -> None:
+        """DeepSeek-V4: vLLM's CPU model, its attention and CSA indexer on dsattn (``.v4``).  Clear errors
+        for what that model cannot run; chunked prefill stays the user's (vLLM turns it off without AMX,
+        for its own kernels' sake: dsattn's attention and indexer read any mix of prefill and decode)."""
+        import torch
+        from . import v4
+        model = vllm_config.model_config
+        if model.dtype != torch.bfloat16:
+            raise ValueError(f"dtype={model.dtype}: vLLM's CPU DeepSeek-V4 model runs bfloat16 only (its mHC and "
+                             "output-projection kernels); pass dtype='bfloat16'")
+        topk = getattr(model.hf_text_config, "index_topk", V4_VLLM_TOPK)
+        if v4.kernels() != "dsattn" and topk != V4_VLLM_TOPK:
+            raise ValueError(f"index_topk={topk}: {v4.KERNELS_ENV}={v4.kernels()} runs vLLM's CPU indexer, which "
+                             f"takes index_topk {V4_VLLM_TOPK} only; dsattn's ({v4.KERNELS_ENV}=dsattn) takes any")
+        sched = vllm_config.scheduler_config
+        kept = (sched.enable_chunked_prefill, sched.max_num_batched_tokens)
+        super().check_and_update_config(vllm_config)
+        if v4.kernels() != "vllm":                  # prefills run on dsattn
+            sched.enable_chunked_prefill, sched.max_num_batched_tokens = kept

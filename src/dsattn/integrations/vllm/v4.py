@@ -10,9 +10,14 @@ run (:mod:`.v4_metadata`), this module swaps two of those kernels for dsattn's, 
 * CSA indexer: ``quant_lightning_indexer`` over vLLM's 132-byte FP8 indexer cache (``"block"`` key
   scales), any ``index_topk``.
 
-``DSATTN_V4_KERNELS=vllm`` keeps vLLM's own two kernels on the same fixed builders, so the two can be
-compared in one engine (``bench/vllm_serve.py``); the default is ``dsattn``.  The variable is read in
-every vLLM process (workers inherit the environment).
+``DSATTN_V4_KERNELS`` says whose kernels run, read in every vLLM process (workers inherit it):
+
+* ``dsattn`` (default);
+* ``vllm``: vLLM's own two kernels on the same fixed builders, so the two can be compared in one engine
+  (``bench/vllm_serve.py``); vLLM's indexer takes ``index_topk`` 512 only;
+* ``vllm-decode``: vLLM's in steps without prefill tokens, dsattn's in the others: for timing vLLM's
+  decode at contexts whose prefill its indexer takes too long to reach (its prefill scores every
+  compressed key of every query: quadratic, at 64K a quarter hour on two cores).
 """
 from __future__ import annotations
 
@@ -23,15 +28,21 @@ import torch
 from dsattn import flashmla, ops
 
 KERNELS_ENV = "DSATTN_V4_KERNELS"
-KERNEL_CHOICES = ("dsattn", "vllm")
+KERNEL_CHOICES = ("dsattn", "vllm", "vllm-decode")
 
 
 def kernels() -> str:
-    """Whose attention / indexer kernels V4 layers run: ``dsattn`` (default) or ``vllm``."""
+    """Whose attention / indexer kernels V4 layers run (see the module docstring)."""
     choice = os.environ.get(KERNELS_ENV, "dsattn").strip().lower() or "dsattn"
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNELS_ENV}={choice!r}: expected one of {', '.join(KERNEL_CHOICES)}")
     return choice
+
+
+def vllm_kernels(has_prefill: bool) -> bool:
+    """Whether this step's V4 attention / indexer run vLLM's kernels."""
+    choice = kernels()
+    return choice == "vllm" or (choice == "vllm-decode" and not has_prefill)
 
 
 def local_to_slots(local: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, block_size: int):
@@ -70,8 +81,10 @@ def forward_mqa(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor
     if attn_metadata is None:                       # profiling run
         output.zero_()
         return
-    T = q.shape[0]
     swa = attn_metadata[self.swa_cache_layer.prefix]
+    if vllm_kernels(swa.num_prefills > 0):
+        return _ORIGINAL["forward_mqa"](self, q, kv, positions, output)
+    T = q.shape[0]
     req = swa.token_to_req_indices[:T]
     pos = positions[:T]
     window = local_to_slots(window_positions(pos, self.window_size), req, swa.block_table, swa.block_size)
@@ -103,6 +116,8 @@ def csa_indexer(self, hidden_states: torch.Tensor, q_quant: torch.Tensor, k, wei
     if not isinstance(attn_metadata, dict):
         return self.topk_indices_buffer
     meta = attn_metadata[self.k_cache.prefix]
+    if vllm_kernels(meta.num_prefills > 0):
+        return _ORIGINAL["indexer"](self, hidden_states, q_quant, k, weights)
     lens, tables = [], []
     if meta.num_decodes > 0 and meta.decode is not None:
         n = meta.num_decode_tokens
@@ -138,9 +153,13 @@ _ORIGINAL: dict = {}
 
 
 def install() -> None:
-    """Put dsattn's attention under vLLM's CPU V4 layers unless ``DSATTN_V4_KERNELS=vllm`` (idempotent)."""
-    if _ORIGINAL or kernels() != "dsattn":
+    """Route vLLM's CPU V4 attention through :func:`forward_mqa` (idempotent; the indexer comes through the
+    plug-in's ``SparseAttnIndexer``, which calls :func:`csa_indexer`)."""
+    if _ORIGINAL:
         return
+    kernels()                                       # a bad DSATTN_V4_KERNELS fails here, by name
+    from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
     from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUAttention
     _ORIGINAL["forward_mqa"] = DeepseekV4CPUAttention.forward_mqa
+    _ORIGINAL["indexer"] = SparseAttnIndexer.forward_cpu
     DeepseekV4CPUAttention.forward_mqa = forward_mqa

@@ -1,0 +1,68 @@
+"""DeepSeek-V4 served by vLLM on CPU with the plug-in (a tiny checkpoint written here; nothing downloaded).
+
+vLLM's CPU V4 model runs bf16 only (its mHC and output-projection kernels), and its caches are always FP8
+(FlashMLA's 584-byte rows, the 132-byte indexer keys).  So the checks are:
+
+* dsattn's attention + CSA indexer against vLLM's own CPU kernels in the same engine (``DSATTN_V4_KERNELS``),
+  where the two differ only in those kernels: prompts past 4 x 512 tokens so that the top-512 indexer
+  selects (vLLM's kernel takes no other top-k);
+* the config's ``index_topk`` (16 here, below every prompt's compressed length) against transformers' eager
+  fp32 model with the same weights: end to end, every divergence a top-5 near tie;
+* chunked prefill with a request arriving mid-decode against the one-step prefill.
+"""
+import pytest
+
+from dsattn.integrations.vllm import tiny
+from vllm_helpers import MAX_TOKENS, compare, hf_greedy, run_llm
+
+PROMPTS = tiny.prompts((150, 97, 211, 130))
+ENGINE = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny.write_v4(tmp_path_factory.mktemp("v4"))
+
+
+@pytest.fixture(scope="module")
+def dsattn_run(checkpoint):
+    return run_llm(checkpoint, PROMPTS, engine=ENGINE, env={"DSATTN_V4_KERNELS": "dsattn"})
+
+
+def test_against_transformers(checkpoint, dsattn_run):
+    """index_topk 16 (vLLM's own indexer refuses anything but 512).  transformers runs fp32 with unrounded
+    caches, vLLM bf16 with FP8 caches; this tiny model's large random weights amplify that: measured, equal
+    tokens' log-probs differ by up to ~0.6.  So this checks the path end to end, not bits: every
+    divergence must be a near tie."""
+    compare(dsattn_run, hf_greedy(checkpoint, PROMPTS, MAX_TOKENS), tol=1.0, min_match=0.3)
+
+
+def test_same_tokens_as_vllms_kernels(tmp_path_factory):
+    """Top-512 over prompts of 2.1-2.6K tokens (the indexer selects 512 of up to 650 compressed entries):
+    dsattn's kernels and vLLM's on the same engine, caches and FP8 indexer query give the same tokens;
+    the log-probs differ by the attention's bf16 output rounding and summation order: measured, by one or two
+    bf16 steps of the logits (0.03 each at these values), at most 0.13, so the tolerance is 0.2."""
+    d = tiny.write_v4(tmp_path_factory.mktemp("v4_512"), index_topk=512)
+    prompts = tiny.prompts((2600, 2300, 2450, 2100), seed=3)
+    engine = dict(ENGINE, max_model_len=2700)
+    runs = {k: run_llm(d, prompts, engine=engine, max_tokens=12, env={"DSATTN_V4_KERNELS": k})
+            for k in ("dsattn", "vllm")}
+    compare(runs["dsattn"], runs["vllm"], tol=0.2, min_match=0.75)
+
+
+def test_chunked_prefill_and_late_request(checkpoint, dsattn_run):
+    """Prompts longer than max_num_batched_tokens (their prefill in chunks, mixed with decodes) and one
+    request arriving while the others decode: the tokens of the one-step prefill."""
+    got = run_llm(checkpoint, PROMPTS[:3], engine=dict(ENGINE, max_num_batched_tokens=64, enable_chunked_prefill=True),
+                  late=dict(prompt=PROMPTS[3], after_steps=8), env={"DSATTN_V4_KERNELS": "dsattn"})
+    compare(got, dsattn_run, tol=0.2, min_match=0.75)
+
+
+def test_float32_model_is_refused(checkpoint):
+    with pytest.raises(AssertionError, match="dtype"):
+        run_llm(checkpoint, PROMPTS[:1], engine=dict(ENGINE, dtype="float32"), max_tokens=1)
+
+
+def test_vllm_kernels_need_top_512(checkpoint):
+    with pytest.raises(AssertionError, match="index_topk"):
+        run_llm(checkpoint, PROMPTS[:1], engine=ENGINE, max_tokens=1, env={"DSATTN_V4_KERNELS": "vllm"})
