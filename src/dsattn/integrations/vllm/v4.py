@@ -27,6 +27,8 @@ import torch
 
 from dsattn import flashmla, ops
 
+from .v4_metadata import gather_slots
+
 KERNELS_ENV = "DSATTN_V4_KERNELS"
 KERNEL_CHOICES = ("dsattn", "vllm", "vllm-decode")
 
@@ -47,11 +49,8 @@ def vllm_kernels(has_prefill: bool) -> bool:
 
 def local_to_slots(local: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, block_size: int):
     """Request-local positions ``[T, K]`` (-1: none) -> flat pool slots ``block * bs + offset`` (-1 kept)."""
-    valid = local >= 0
-    safe = local.clamp(min=0).to(torch.int64)
-    col = (safe // block_size).clamp_(max=block_table.shape[1] - 1)
-    blocks = block_table[req.to(torch.int64).unsqueeze(-1).expand_as(col), col].to(torch.int64)
-    return torch.where(valid, blocks * block_size + safe % block_size, -1).to(torch.int32)
+    slots = gather_slots(block_table, req.to(torch.int64), local.clamp(min=0).to(torch.int64), block_size)
+    return torch.where(local >= 0, slots, -1).to(torch.int32)
 
 
 def paged_rows(cache_bytes: torch.Tensor, block_size: int, row_bytes: int = 584) -> torch.Tensor:

@@ -33,9 +33,10 @@ def token_request_mapping(query_start_loc, output, num_reqs, num_mapped, num_tok
     output[:num_tokens] = torch.where(tokens < num_mapped, req, 0).to(output.dtype)
 
 
-def _gather_rows(block_table, req, pos, block_size):
-    """Flat slot ``block_table[req, pos // bs] * bs + pos % bs`` (pos clamped into the table)."""
-    col = (pos // block_size).clamp_(0, block_table.shape[1] - 1)
+def gather_slots(block_table, req, pos, block_size):
+    """Flat slot ``block_table[req, pos // bs] * bs + pos % bs`` of request-local positions ``pos [T, K]``
+    (``req [T]``; the block column clamped into the table: callers mask what lies past a request)."""
+    col = (pos // block_size).clamp(0, block_table.shape[1] - 1)
     blocks = block_table[req.unsqueeze(-1).expand_as(col), col].to(torch.int64)
     return blocks * block_size + pos % block_size
 
@@ -62,7 +63,7 @@ def swa_indices_and_lens(swa_indices, swa_lens, window_size, index_width, left_v
     start = torch.maximum(start, replay_start[req].to(torch.int64))
     length = pos + right + 1 - start
     offs = torch.arange(index_width, device=pos.device)
-    slots = _gather_rows(block_table, req, start.unsqueeze(-1) + offs, block_size)
+    slots = gather_slots(block_table, req, start.unsqueeze(-1) + offs, block_size)
     keep = (offs < length.unsqueeze(-1)) & valid.unsqueeze(-1)
     rows = swa_indices.view(swa_indices.shape[0], -1)
     rows[:num_tokens, :index_width] = torch.where(keep, slots, PAD).to(rows.dtype)
@@ -96,7 +97,7 @@ def compressed_slot_mapping(compressed_slot_mapping, slot_mapping, query_start_l
     valid = ((pos + 1) % compress_ratio == 0) & (slot_mapping != PAD) & in_batch
     local = pos // (cp_interleave * dcp_world_size) * cp_interleave + pos % cp_interleave
     state = local // compress_ratio
-    slots = _gather_rows(block_table, req, state.unsqueeze(-1), block_size).squeeze(-1)
+    slots = gather_slots(block_table, req, state.unsqueeze(-1), block_size).squeeze(-1)
     out = compressed_slot_mapping[:n]
     out.copy_(torch.where(in_batch, torch.where(valid, slots, PAD), out.to(torch.int64)).to(out.dtype))
 
