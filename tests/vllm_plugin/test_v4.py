@@ -10,6 +10,8 @@ vLLM's CPU V4 model runs bf16 only (its mHC and output-projection kernels), and 
   fp32 model with the same weights: end to end, every divergence a top-5 near tie;
 * chunked prefill with a request arriving mid-decode against the one-step prefill.
 """
+import os
+
 import pytest
 
 from dsattn.integrations.vllm import tiny
@@ -66,3 +68,13 @@ def test_float32_model_is_refused(checkpoint):
 def test_vllm_kernels_need_top_512(checkpoint):
     with pytest.raises(AssertionError, match="index_topk"):
         run_llm(checkpoint, PROMPTS[:1], engine=ENGINE, max_tokens=1, env={"DSATTN_V4_KERNELS": "vllm"})
+
+
+def test_tensor_parallel_2(checkpoint, dsattn_run):
+    """Two CPU workers (heads split; each its caches' share, the indexer replicated): the tokens of one."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two CPU workers need two cores")
+    # one core per worker: vLLM binds each worker to a NUMA node by default and this machine has one
+    got = run_llm(checkpoint, PROMPTS, engine=dict(ENGINE, tensor_parallel_size=2),
+                  env=dict(VLLM_CPU_OMP_THREADS_BIND="0|1", DSATTN_V4_KERNELS="dsattn"))
+    compare(got, dsattn_run, tol=0.2, min_match=0.75)
