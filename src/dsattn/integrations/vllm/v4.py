@@ -117,34 +117,37 @@ def csa_indexer(self, hidden_states: torch.Tensor, q_quant: torch.Tensor, k, wei
     meta = attn_metadata[self.k_cache.prefix]
     if vllm_kernels(meta.num_prefills > 0):
         return _ORIGINAL["indexer"](self, hidden_states, q_quant, k, weights)
-    lens, tables = [], []
+    rows, lens, tables = [], [], []                 # the step's token rows, each its key count and block table
     if meta.num_decodes > 0 and meta.decode is not None:
         n = meta.num_decode_tokens
         seq = meta.decode.seq_lens
+        rows.append(torch.arange(n, device=q_quant.device))
         lens.append((seq[:, -1] if seq.dim() == 2 else seq)[:n])
         tables.append(meta.decode.block_table[:n])
     if meta.num_prefills > 0 and meta.prefill is not None:
         for chunk in meta.prefill.chunks:
             ks, ke = chunk.cu_seqlen_ks, chunk.cu_seqlen_ke
             owner = torch.searchsorted(chunk.local_cu_seq_lens, ks, right=True) - 1
+            rows.append(torch.arange(chunk.token_start, chunk.token_end, device=q_quant.device))
             lens.append(ke - ks)
             tables.append(chunk.block_table[owner])
     buf = self.topk_indices_buffer
     buf[:hidden_states.shape[0]] = -1
-    if not lens:
+    if not rows:
         return buf
     width = max(t.shape[1] for t in tables)
     table = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]).to(torch.int32)
     seqused = torch.cat(lens).to(torch.int32)
-    T = seqused.shape[0]
-    q = q_quant[:T].unsqueeze(1)
+    rows = torch.cat(rows)
+    T = rows.shape[0]
+    q = q_quant[rows].unsqueeze(1)
     cache = self.k_cache.kv_cache
     cache = cache.view(torch.float8_e4m3fn).view(cache.shape[0], cache.shape[1], -1)
-    idx, _ = ops.quant_lightning_indexer(q, cache, weights[:T].float().unsqueeze(1),
+    idx, _ = ops.quant_lightning_indexer(q, cache, weights[rows].float().unsqueeze(1),
                                          torch.ones(T, 1, q.shape[2], device=q.device), None, self.topk_tokens, 0,
                                          seqused_k=seqused, block_table=table, layout_q="BSND", layout_k="PA_BBND",
                                          key_scale_layout="block")
-    buf[:T, :self.topk_tokens] = idx.view(T, -1)
+    buf[rows, :self.topk_tokens] = idx.view(T, -1)
     return buf
 
 
