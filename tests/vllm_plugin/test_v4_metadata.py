@@ -182,3 +182,13 @@ def test_tile_schedule_has_every_layer_type():
     plans = ports.no_tile_schedule(None, 4)
     for key in (S._LAYER_TYPE_SWAONLY, S._LAYER_TYPE_C4A, S._LAYER_TYPE_C128A, S._LAYER_TYPE_C1A, S._LAYER_TYPE_C2A):
         assert key in plans and plans[key] is None
+
+
+def test_kernel_switch_is_validated(monkeypatch):
+    from dsattn.integrations.vllm import v4
+    for choice, want in (("", "dsattn"), ("VLLM", "vllm"), ("vllm-decode", "vllm-decode")):
+        monkeypatch.setenv(v4.KERNELS_ENV, choice)
+        assert v4.kernels() == want
+    monkeypatch.setenv(v4.KERNELS_ENV, "cuda")
+    with pytest.raises(ValueError, match="DSATTN_V4_KERNELS='cuda'.*dsattn, vllm, vllm-decode"):
+        v4.kernels()

@@ -40,6 +40,7 @@ from ...flashmla import flash_mla_with_kvcache, get_mla_metadata
 from ...quant.flashmla import V32, quantize_cache
 from ...quant.index_keys import store_index_keys
 from ...serving.caches import store_rows
+from . import v4
 
 FP8_CACHE = "fp8_ds_mla"
 
@@ -286,7 +287,6 @@ class DsattnSparseAttnIndexer(SparseAttnIndexer):
 
     def forward_cpu(self, hidden_states: torch.Tensor, q, k: torch.Tensor | None, weights: torch.Tensor):
         if self.compress_ratio > 1:                  # DeepSeek-V4's CSA indexer (compressed keys)
-            from . import v4
             return v4.csa_indexer(self, hidden_states, q, k, weights)
         torch.ops.vllm.dsattn_dsa_indexer(q, k, weights, self.k_cache.kv_cache, self.topk_indices_buffer,
                                           self.k_cache.prefix, self.topk_tokens)
