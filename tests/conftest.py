@@ -59,3 +59,22 @@ def randn(g, *shape, dtype=torch.float32, scale=1.0):
 
 def i32(*values):
     return torch.tensor(values, dtype=torch.int32)
+
+
+def assert_draws(rows_of, draws: int = 8, outputs=None):
+    """``rows_of(seed)`` -> the ``dsattn.verify`` rows of one fresh random draw. Every row must pass on its
+    own, except the statistics of tensors too small to judge alone, which are pooled over further draws
+    (``testing.check_draws``: a 99.9 % share of 512 elements tolerates no outlier). ``outputs``: the rows
+    every draw must compare (a subset of what it names)."""
+    from dsattn import testing
+
+    def named(seed):
+        rows = rows_of(seed)
+        assert rows, "no comparison was made"
+        if outputs is not None:
+            assert set(outputs) <= {r.output for r in rows}, (sorted(outputs), [r.output for r in rows])
+        return [(f"{r.case}/{r.output}", r.result) for r in rows]
+
+    base = int(torch.randint(0, 2**31 - draws, ()).item())
+    failed = testing.check_draws(named, range(base, base + draws))
+    assert not failed, "\n".join(failed)

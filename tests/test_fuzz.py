@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from dsattn import testing
 from dsattn.cases import fuzz
 
 # family -> configurations in the default suite (3,000 in all; the issue asks >= 1,500), in chunks of CHUNK
@@ -70,7 +71,44 @@ def test_the_suite_catches_a_stray_read(monkeypatch):
 def test_pooled_share_is_judged_on_a_pool_of_enough_elements():
     """A share rule over fewer than POOL_BELOW pooled elements is noise (4 outliers in 776 is 99.48 %);
     over a pool that large it is judged."""
-    small = fuzz.FuzzReport("sharedkv", pooled={("bf16-cross-order", 0.995): [772.0, 776]})
+    small = fuzz.FuzzReport("sharedkv", pool=testing.StatisticsPool({("bf16-cross-order", 0.995): [772.0, 776]}))
     assert not fuzz.check_pooled(small).failures
-    big = fuzz.FuzzReport("sharedkv", pooled={("bf16-cross-order", 0.995): [fuzz.POOL_BELOW * 0.99, fuzz.POOL_BELOW]})
+    big = fuzz.FuzzReport("sharedkv", pool=testing.StatisticsPool(
+        {("bf16-cross-order", 0.995): [testing.POOL_BELOW * 0.99, testing.POOL_BELOW]}))
     assert fuzz.check_pooled(big).failures
+
+
+def _bf16_pair(n, seed, outliers=0, shift=0.0):
+    """A bf16 golden and a copy with ``outliers`` elements moved outside the inner bound (inside the outer
+    one) and every element moved by ``shift``."""
+    g = torch.Generator().manual_seed(seed)
+    want = (torch.randn(n, generator=g) + 2.0).to(torch.bfloat16)
+    got = want.float() + shift
+    got[:outliers] *= 1.05
+    return got.to(torch.bfloat16), want
+
+
+def test_draws_pool_the_statistics_of_small_tensors():
+    """One outlier in a 512-element bf16 tensor fails the 99.9 % share on its own; pooled over further draws
+    it holds once the share does (two draws), one outlier in each draw fails once the pool holds
+    POOL_BELOW elements (four draws), a draw that passes is the only one, and a bound every element must
+    meet fails at once, naming its seed."""
+    seen = []
+
+    def check(outliers, shift=0.0):
+        def one(seed):
+            seen.append(seed)
+            got, want = _bf16_pair(512, seed, outliers(seed), shift)
+            return [("out", testing.compare(got, want))]
+        return one
+
+    assert not testing.compare(*_bf16_pair(512, 0, 1))
+    assert testing.check_draws(check(lambda s: int(s == 10)), range(10, 20)) == [] and seen == [10, 11]
+    seen.clear()
+    assert testing.check_draws(check(lambda s: 0), range(10, 20)) == [] and seen == [10]
+    seen.clear()
+    failed = testing.check_draws(check(lambda s: 1), range(10, 20))
+    assert seen == [10, 11, 12, 13] and failed == ["pooled bf16-cross-order share 99.8047% < 99.9% over 2048 elements"]
+    seen.clear()
+    failed = testing.check_draws(check(lambda s: 0, shift=0.5), range(10, 20))
+    assert seen == [10] and failed[0].startswith("seed 10: out: bf16-cross-order: FAIL")

@@ -56,11 +56,16 @@ def test_outputs_only_on_request(monkeypatch):
     assert _huge_kb_at(out.data_ptr() + out.nbytes // 2) >= 2048
 
 
-@needs_madvise
 def test_off_leaves_caches_alone(monkeypatch):
+    """No advice is given. Whether the kernel backs the mapping with huge pages anyway is its own affair: a
+    check of smaps here failed about once in a few dozen suite runs under THP `madvise`."""
+    advised = []
+    monkeypatch.setattr(memory, "advise_huge_pages", lambda t: advised.append(t) or True)
     monkeypatch.setenv("DSATTN_HUGE_PAGES", "off")
     t = memory.cache_zeros(BIG, dtype=torch.uint8)
-    assert _huge_kb_at(t.data_ptr() + BIG // 2) == 0
+    assert not advised and not t.any()
+    monkeypatch.setenv("DSATTN_HUGE_PAGES", "caches")
+    assert not memory.cache_zeros(BIG, dtype=torch.uint8).any() and len(advised) == 1
 
 
 def test_the_switch_is_checked(monkeypatch):

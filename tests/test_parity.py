@@ -4,34 +4,26 @@ import torch
 
 from dsattn import cases, verify
 
+from conftest import assert_draws
+
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 LAYOUTS = ["BSND", "TND"]
 RATIOS = [1, 4, 128]
-
-
-def _assert_rows(rows):
-    assert rows, "no comparison was made"
-    bad = [f"{r.case}/{r.output}: {r.result}" for r in rows if not r.result.passed]
-    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sparse_flash_mla_and_grad(layout, ratio, dtype):
-    seed = torch.randint(0, 2**31 - 1, ()).item()            # fresh inputs per case
-    case = cases.mla_case(layout, ratio, dtype, seed=seed)
-    rows = verify.mla_rows(case)
-    assert {r.output for r in rows} >= {"attn_out", "softmax_lse", "dq", "dori_kv"}
-    _assert_rows(rows)
+    assert_draws(lambda seed: verify.mla_rows(cases.mla_case(layout, ratio, dtype, seed=seed)),
+                 outputs={"attn_out", "softmax_lse", "dq", "dori_kv"})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sparse_flash_mla_paged(layout, ratio, dtype):
-    case = cases.mla_case(layout, ratio, dtype, paged=True, seed=torch.randint(0, 2**31 - 1, ()).item())
-    _assert_rows(verify.mla_rows(case))
+    assert_draws(lambda seed: verify.mla_rows(cases.mla_case(layout, ratio, dtype, paged=True, seed=seed)))
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "PA_BBND"])
@@ -39,8 +31,7 @@ def test_sparse_flash_mla_paged(layout, ratio, dtype):
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_lightning_indexer(layout, ratio, dtype, paged):
-    case = cases.indexer_case(layout, ratio, dtype, paged=paged, seed=torch.randint(0, 2**31 - 1, ()).item())
-    _assert_rows(verify.indexer_rows(case))
+    assert_draws(lambda seed: verify.indexer_rows(cases.indexer_case(layout, ratio, dtype, paged=paged, seed=seed)))
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "PA_BBND"])
@@ -93,8 +84,7 @@ def test_topk_positions_is_the_stable_descending_order():
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_indexer_kl_loss_grad(layout, ratio, dtype):
-    case = cases.kl_case(layout, ratio, dtype, seed=torch.randint(0, 2**31 - 1, ()).item())
-    _assert_rows(verify.kl_rows(case))
+    assert_draws(lambda seed: verify.kl_rows(cases.kl_case(layout, ratio, dtype, seed=seed)))
 
 
 def test_verify_cli_quick(capsys):

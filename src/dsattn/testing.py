@@ -30,8 +30,8 @@ class Comparison:
     # were compared, the share the rule demands, the sums behind cos_diff (sum a*e, sum a^2+e^2),
     # and whether those statistics are all that failed (no NaN / inf mismatch, every per-element
     # bound met).  A tensor of 150 elements cannot meet 99.5 % with one outlier, nor a 16-element
-    # bf16 row a cos_diff of 7e-6 with one flipped ulp, so the fuzz suite pools the statistics of
-    # such small tensors over all of a family's configurations (dsattn.cases.fuzz.check_seeds).
+    # bf16 row a cos_diff of 7e-6 with one flipped ulp, so the statistics of such small tensors are
+    # judged on their pooled elements over several random draws (StatisticsPool).
     count: int = 0
     min_fraction: float = 1.0
     only_statistics: bool = False
@@ -134,6 +134,70 @@ def bf16_cross_order_close(actual, expected, min_inner: float = 0.999):
     passed = others and cd <= MAX_COS_DIFF and frac >= min_inner
     return Comparison("bf16-cross-order", passed, _max_abs(a, e), frac, f"cos_diff={cd:.2e}", count=a.numel(),
                       min_fraction=min_inner, only_statistics=others and not passed, cos_terms=terms)
+
+
+POOL_BELOW = 2000     # tensors this small meet a 99.5 % / 99.9 % share only with no outlier at all
+
+
+class StatisticsPool:
+    """The statistical rules of 00 §11 (a share of elements within a bound, cos_diff) judged on the
+    pooled elements of small tensors.
+
+    A bf16 output computed in another summation order differs from the golden by rounding noise whose
+    rare large excursions (a flipped ulp at one of the spec's rounding points, amplified by a later
+    cancellation such as RoPE's) are a share of the elements: on a tensor of 512 elements a 99.9 %
+    share means no outlier at all, which is the every-element rule the spec never applies to such
+    outputs. So a comparison of fewer than ``POOL_BELOW`` elements whose statistics alone failed is
+    admitted, and its elements and cos_diff sums join the pool; the pool is judged once it holds
+    ``POOL_BELOW`` elements. Every per-element bound, NaN / inf position and large tensor still counts
+    on its own."""
+
+    def __init__(self, shares: dict | None = None, cos: list | None = None):
+        self.shares = {} if shares is None else shares     # (rule, share) -> [elements within, elements]
+        self.cos = [0.0, 0.0] if cos is None else cos       # [sum a*e, sum a^2+e^2] of the small tensors
+
+    def admit(self, c: Comparison) -> bool:
+        """Pool a small tensor's statistics; False when ``c`` fails on its own."""
+        small = 0 < c.count < POOL_BELOW
+        if small and c.min_fraction < 1.0:
+            acc = self.shares.setdefault((c.rule, c.min_fraction), [0.0, 0])
+            acc[0] += c.fraction * c.count
+            acc[1] += c.count
+            if c.cos_terms is not None:
+                self.cos[0] += c.cos_terms[0]
+                self.cos[1] += c.cos_terms[1]
+        return c.passed or (small and c.only_statistics)
+
+    def settled(self) -> bool:
+        """Further draws cannot change the verdict's reason: every pooled rule already holds, or every
+        pool is large enough to be judged."""
+        return not self.failures(any_size=True) or all(n >= POOL_BELOW for _, n in self.shares.values())
+
+    def failures(self, label: str = "", any_size: bool = False) -> list[str]:
+        """The pooled rules: a share over at least ``POOL_BELOW`` elements (a smaller pool is as noisy as
+        a small tensor: a longer run judges it; ``any_size`` judges it anyway), and cos_diff over every
+        pooled element."""
+        out = []
+        for (rule, share), (good, n) in self.shares.items():
+            if (n >= POOL_BELOW or any_size) and good / n < share:
+                out.append(f"{label}pooled {rule} share {good / n:.4%} < {share:.1%} over {n} elements")
+        cd = cos_from_terms(*self.cos)
+        if cd > MAX_COS_DIFF:
+            out.append(f"{label}pooled cos_diff {cd:.2e} of the small bf16 tensors > {MAX_COS_DIFF}")
+        return out
+
+
+def check_draws(check, seeds) -> list[str]:
+    """``check(seed)`` -> ``[(name, Comparison), ...]`` for one fresh random draw. Draws in order while the
+    pooled statistics fail on a pool too small to judge (a draw whose small tensors meet them on their own
+    is the only draw), stopping at the first draw that fails on its own. Returns what failed, each line
+    naming its seed (empty when everything held)."""
+    pool, failed = StatisticsPool(), []
+    for seed in seeds:
+        failed += [f"seed {seed}: {name}: {c}" for name, c in check(seed) if not pool.admit(c)]
+        if failed or pool.settled():
+            break
+    return failed + pool.failures()
 
 
 def split_row_close(actual, expected):

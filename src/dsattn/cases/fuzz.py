@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from ..common.masks import cmp_threshold, indexer_num_valid, ori_range, sparse_walk
+from ..testing import StatisticsPool
 from .attention import NAN, Case, _i32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -593,22 +594,17 @@ def repro(family: str, seed: int) -> str:
     return f"dsattn verify --fuzz 1 --family {family} --seed {seed}"
 
 
-POOL_BELOW = 2000     # tensors this small meet a 99.5 % / 99.9 % share only with no outlier at all
-
-
 @dataclass
 class FuzzReport:
     family: str
     configs: int = 0
     compared: int = 0                                 # output tensors compared
     failures: list = None                             # one line each: reproduction -> what failed
-    pooled: dict = None                               # (rule, share) -> [elements within, elements]
-    pooled_cos: list = None                           # [sum a*e, sum a^2+e^2] of small bf16 tensors
+    pool: StatisticsPool = None                       # the small tensors' statistics, judged together
 
     def __post_init__(self):
         self.failures = [] if self.failures is None else self.failures
-        self.pooled = {} if self.pooled is None else self.pooled
-        self.pooled_cos = [0.0, 0.0] if self.pooled_cos is None else self.pooled_cos
+        self.pool = StatisticsPool() if self.pool is None else self.pool
 
 
 def check_seeds(family: str, seeds, into: FuzzReport | None = None, pooled: bool = True) -> FuzzReport:
@@ -629,31 +625,14 @@ def check_seeds(family: str, seeds, into: FuzzReport | None = None, pooled: bool
             rep.failures.append(f"{repro(family, seed)}  -> {type(e).__name__}: {e}")
             continue
         for r in rows:
-            c = r.result
             rep.compared += 1
-            small = 0 < c.count < POOL_BELOW
-            if small and c.min_fraction < 1.0:
-                acc = rep.pooled.setdefault((c.rule, c.min_fraction), [0.0, 0])
-                acc[0] += c.fraction * c.count
-                acc[1] += c.count
-                if c.cos_terms is not None:
-                    rep.pooled_cos[0] += c.cos_terms[0]
-                    rep.pooled_cos[1] += c.cos_terms[1]
-            if not c.passed and not (small and c.only_statistics):
-                rep.failures.append(f"{repro(family, seed)}  -> {r.case} {r.output}: {c}")
+            if not rep.pool.admit(r.result):
+                rep.failures.append(f"{repro(family, seed)}  -> {r.case} {r.output}: {r.result}")
     return check_pooled(rep) if pooled else rep
 
 
 def check_pooled(rep: FuzzReport) -> FuzzReport:
-    """The statistical rules over the pooled elements of the report's small tensors, once the pool holds
-    ``POOL_BELOW`` elements: a smaller pool is as noisy as a small tensor (a 99.5 % share of 776 elements
-    allows 3 outliers, and cross-order bf16 rounding gives about that many by chance), so its share is left
-    to a longer run (``dsattn verify --fuzz N``, ``-m slow``); every per-element bound still applies."""
-    from ..testing import MAX_COS_DIFF, cos_from_terms
-    for (rule, share), (good, n) in rep.pooled.items():
-        if n >= POOL_BELOW and good / n < share:
-            rep.failures.append(f"{rep.family}: pooled {rule} share {good / n:.4%} < {share:.1%} over {n} elements")
-    cd = cos_from_terms(*rep.pooled_cos)
-    if cd > MAX_COS_DIFF:
-        rep.failures.append(f"{rep.family}: pooled cos_diff {cd:.2e} of the small bf16 tensors > {MAX_COS_DIFF}")
+    """The pooled statistical rules of the report's small tensors (``StatisticsPool.failures``); a pool
+    smaller than ``POOL_BELOW`` leaves its share to a longer run (``dsattn verify --fuzz N``, ``-m slow``)."""
+    rep.failures += rep.pool.failures(f"{rep.family}: ")
     return rep
