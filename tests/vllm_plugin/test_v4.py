@@ -60,9 +60,11 @@ def test_chunked_prefill_and_late_request(checkpoint, dsattn_run):
     compare(got, dsattn_run, tol=0.2, min_match=0.75)
 
 
-def test_float32_model_is_refused(checkpoint):
-    with pytest.raises(AssertionError, match="dtype"):
-        run_llm(checkpoint, PROMPTS[:1], engine=dict(ENGINE, dtype="float32"), max_tokens=1)
+def test_float32_needs_dsattns_kernels(checkpoint):
+    """vLLM's own V4 attention and indexer take bf16 only: float32 with them is a clear error, not a crash."""
+    with pytest.raises(AssertionError, match="dtype=torch.float32: DSATTN_V4_KERNELS=vllm-decode"):
+        run_llm(checkpoint, PROMPTS[:1], engine=dict(ENGINE, dtype="float32"), max_tokens=1,
+                env={"DSATTN_V4_KERNELS": "vllm-decode"})
 
 
 def test_vllm_kernels_need_top_512(checkpoint):

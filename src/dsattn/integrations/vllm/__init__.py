@@ -86,9 +86,10 @@ def register() -> None:
                  type(current_platform).__name__)
         _REGISTERED = True
         return
-    from . import dsa, rope, v4, v4_metadata
+    from . import dsa, rope, v4, v4_fp32, v4_metadata
     rope.install()
     dsa.install()
     v4_metadata.install()
+    v4_fp32.install()
     v4.install()
     _REGISTERED = True

@@ -63,15 +63,18 @@ class DsattnCpuPlatform(CpuPlatform):
 
     @classmethod
     def _check_v4(cls, vllm_config) -> None:
-        """DeepSeek-V4: vLLM's CPU model, its attention and CSA indexer on dsattn (``.v4``).  Clear errors
-        for what that model cannot run; chunked prefill stays the user's (vLLM turns it off without AMX,
-        for its own kernels' sake: dsattn's attention and indexer read any mix of prefill and decode)."""
+        """DeepSeek-V4: vLLM's CPU model, its attention and CSA indexer on dsattn (``.v4``), float32 through the
+        PyTorch versions of its bf16-only kernels (``.v4_fp32``).  Clear errors for what that model cannot run;
+        chunked prefill stays the user's (vLLM turns it off without AMX, for its own kernels' sake: dsattn's
+        attention and indexer read any mix of prefill and decode)."""
         import torch
         from . import v4
         model = vllm_config.model_config
-        if model.dtype != torch.bfloat16:
-            raise ValueError(f"dtype={model.dtype}: vLLM's CPU DeepSeek-V4 model runs bfloat16 only (its mHC and "
-                             "output-projection kernels); pass dtype='bfloat16'")
+        if model.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype={model.dtype}: dsattn serves DeepSeek-V4 in bfloat16 or float32; pass one of them")
+        if model.dtype == torch.float32 and v4.kernels() != "dsattn":
+            raise ValueError(f"dtype={model.dtype}: {v4.KERNELS_ENV}={v4.kernels()} runs vLLM's CPU attention and "
+                             f"indexer, which take bfloat16 only; float32 runs on dsattn's ({v4.KERNELS_ENV}=dsattn)")
         topk = getattr(model.hf_text_config, "index_topk", V4_VLLM_TOPK)
         if v4.kernels() != "dsattn" and topk != V4_VLLM_TOPK:
             raise ValueError(f"index_topk={topk}: {v4.KERNELS_ENV}={v4.kernels()} runs vLLM's CPU indexer, which "
