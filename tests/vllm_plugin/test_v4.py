@@ -88,11 +88,14 @@ def test_chunked_prefill_and_late_request(checkpoint, dsattn_run, float32_run, d
             min_match=0.75)
 
 
-def test_float32_needs_dsattns_kernels(checkpoint):
-    """vLLM's own V4 attention and indexer take bf16 only: float32 with them is a clear error, not a crash."""
+def test_dtypes_said_up_front(checkpoint):
+    """vLLM's own V4 attention and indexer take bf16 only: float32 with them is a clear error, not a crash;
+    fp16 (which no V4 path here runs) is one too."""
     with pytest.raises(AssertionError, match="dtype=torch.float32: DSATTN_V4_KERNELS=vllm-decode"):
         run_llm(checkpoint, PROMPTS[:1], engine=dict(ENGINE, dtype="float32"), max_tokens=1,
                 env={"DSATTN_V4_KERNELS": "vllm-decode"})
+    with pytest.raises(AssertionError, match="dtype=torch.float16: dsattn serves DeepSeek-V4 in bfloat16 or float32"):
+        run_llm(checkpoint, PROMPTS[:1], engine=dict(ENGINE, dtype="float16"), max_tokens=1)
 
 
 def test_vllm_kernels_need_top_512(checkpoint):
