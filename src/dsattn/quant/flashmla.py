@@ -123,7 +123,7 @@ def assemble(payload: torch.Tensor, scales: torch.Tensor, rope: torch.Tensor, la
     return raw[:, :per_block].view(FP8).view(nb, bs, 1, layout.row_bytes)
 
 
-def _regions(cache: torch.Tensor, layout: FlashMLALayout):
+def regions(cache: torch.Tensor, layout: FlashMLALayout):
     """V4: strided byte views ``(nope|rope [nb, bs, 576], scales [nb, bs, 8])`` of the blocks."""
     u8 = cache.view(torch.uint8)
     nb, bs = cache.shape[:2]
@@ -147,7 +147,7 @@ def read_tokens(cache: torch.Tensor, layout: FlashMLALayout, blk: torch.Tensor, 
         scales = row[..., dn:dn + layout.scale_bytes].contiguous().view(torch.float32)
         rope = row[..., dn + layout.scale_bytes:].contiguous().view(torch.bfloat16)
     else:
-        nope_rope, sc = _regions(cache, layout)
+        nope_rope, sc = regions(cache, layout)
         body = nope_rope[blk, off]
         payload = body[..., :dn]
         rope = body[..., dn:].contiguous().view(torch.bfloat16)

@@ -18,6 +18,11 @@ import functools
 
 import torch
 
+from ...common.paged import write_rows
+from ...common.rope import ROTARY_INTERLEAVE, rotary
+from ...quant import flashmla as layouts
+from .v4 import paged_rows
+
 # vLLM fixes the mHC post-mix multiplier at 2 in its CPU kernel (models/deepseek_v4/cpu/model.py call sites)
 HC_POST_MULT = 2.0
 E4M3_MIN_NORMAL = 2.0 ** -6
@@ -49,9 +54,10 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: t
 
 
 def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """``hc_post_fused_cpu``: ``out[j] = sum_i comb[i, j] residual[i] + post[j] x`` ``[T, hc, D]``."""
-    mixed = torch.einsum("tij,tid->tjd", comb.float(), residual.float())
-    return (mixed + post.float().unsqueeze(-1) * x.float().unsqueeze(1)).to(residual.dtype)
+    """``hc_post_fused_cpu``: ``out[j] = sum_i comb[i, j] residual[i] + post[j] x`` ``[T, hc, D]`` (vLLM's own
+    eager reference, which takes any dtype)."""
+    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch
+    return mhc_post_torch(x, residual, post.unsqueeze(-1), comb)
 
 
 def hc_head(x: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor, hc_eps: float,
@@ -69,14 +75,11 @@ def gptj_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Ten
     float32: vLLM's table holds ``[cos | sin]`` per position.  ``inverse`` rotates by ``-position``."""
     R = cos_sin_cache.size(1)
     cs = cos_sin_cache.float()[positions]                              # [T, R]
-    shape = (x.size(0),) + (1,) * (x.dim() - 2) + (R // 2,)
-    cos, sin = cs[:, :R // 2].reshape(shape), cs[:, R // 2:].reshape(shape)
-    if inverse:
-        sin = -sin
+    shape = (x.size(0),) + (1,) * (x.dim() - 2) + (R,)
+    cos = cs[:, :R // 2].repeat_interleave(2, -1).reshape(shape)       # per dimension, as rotary() reads them
+    sin = cs[:, R // 2:].repeat_interleave(2, -1).reshape(shape)
     x = x.float()
-    even, odd = x[..., -R::2], x[..., -R + 1::2]
-    rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
-    return torch.cat([x[..., :-R], rot], dim=-1)
+    return torch.cat([x[..., :-R], rotary(x[..., -R:], cos, -sin if inverse else sin, ROTARY_INTERLEAVE)], dim=-1)
 
 
 def quantize_v4_rows(rows: torch.Tensor):
@@ -85,7 +88,6 @@ def quantize_v4_rows(rows: torch.Tensor):
     (``2^ceil(log2(max(amax / 448, 1e-4)))``: vLLM's Triton kernels floor ``amax`` instead, its CPU kernel
     does not), what would be an e4m3 subnormal flushed to a signed zero (vLLM's CPU kernel does; FlashMLA's
     keeps it).  Returns (fp8 payload ``[n, 448]``, scales ``[n, 7]`` float32, rope ``[n, 64]`` bf16)."""
-    from ...quant import flashmla as layouts
     lay = layouts.V4
     x = rows.to(torch.bfloat16)
     scales = layouts.tile_scales(x[:, :lay.d_nope], lay)
@@ -106,7 +108,6 @@ def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Ten
     """``fused_qnorm_rope_kv_insert_cpu``: the query's per-head weight-free RMSNorm and RoPE, padded to
     ``q_head_padded`` heads with zeros; the window KV row's RoPE, quantisation (:func:`quantize_v4_rows`)
     and store at its slot of the V4 window cache ``cache_2d [num_blocks, block bytes]`` (slot -1: skipped)."""
-    from ...quant import flashmla as layouts
     T, H, D = q.shape
     qf = q.float()
     qf = gptj_rope(qf * _rms(qf, eps), positions[:T], cos_sin_cache)
@@ -114,19 +115,12 @@ def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Ten
     out[:, :H] = qf.to(q.dtype)
     n = slot_mapping.size(0)
     payload, scales, rope = quantize_v4_rows(gptj_rope(kv[:n].float(), positions[:n], cos_sin_cache))
-    lay = layouts.V4
-    body = lay.d_nope + 2 * lay.d_rope
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    blk, off = (slots // block_size)[keep], (slots % block_size)[keep]
-    cache = cache_2d.view(torch.uint8)
-    rows = torch.cat([payload.view(torch.uint8), rope.view(torch.uint8)], -1)[keep]
-    cols = torch.arange(body, device=cache.device)
-    cache[blk[:, None], off[:, None] * body + cols] = rows
     e8m0 = scales.to(torch.float8_e8m0fnu).view(torch.uint8)
-    e8m0 = torch.cat([e8m0, torch.zeros_like(e8m0[:, :1])], -1)[keep]
-    cols = torch.arange(lay.scale_bytes, device=cache.device)
-    cache[blk[:, None], block_size * body + off[:, None] * lay.scale_bytes + cols] = e8m0
+    body, scale_bytes = layouts.regions(paged_rows(cache_2d, block_size), layouts.V4)   # [blocks, rows, bytes]
+    slots = slot_mapping.long()
+    at, keep = (slots.clamp(min=0) // block_size, slots.clamp(min=0) % block_size), slots >= 0
+    write_rows(body, at, keep, torch.cat([payload.view(torch.uint8), rope.view(torch.uint8)], -1))
+    write_rows(scale_bytes, at, keep, torch.cat([e8m0, torch.zeros_like(e8m0[:, :1])], -1))
     return out
 
 
