@@ -59,6 +59,27 @@ def loop_report(disassembly: str, name: str = "dpbf16_tile") -> dict[str, tuple[
     return report
 
 
+def accumulator_stores(disassembly: str, name: str) -> dict[str, list]:
+    """Per function: the stores, inside a loop that runs vdpbf16ps, of a register that a vdpbf16ps of the
+    loop writes (an accumulator kept in memory); other stores (a side step's own output) are not listed."""
+    report = {}
+    for fn, body in _functions(disassembly, name).items():
+        found = []
+        for loop in _loops(body):
+            sums = {args.split(",")[0].strip() for _, op, args in loop if op == "vdpbf16ps"}
+            found += [s for s in _stores(loop) if sums and s[2].split(",")[-1].strip() in sums]
+        report[fn] = found
+    return report
+
+
+_VBMI = ("vpermb", "vpermi2b", "vpermt2b", "vpmultishiftqb")
+
+
+def vbmi_instructions(disassembly: str, name: str) -> dict[str, list]:
+    """Per function: its AVX-512 VBMI instructions (byte permutes)."""
+    return {fn: [x for x in body if x[1] in _VBMI] for fn, body in _functions(disassembly, name).items()}
+
+
 def _disassemble(path: str) -> str:
     return subprocess.run([shutil.which("objdump"), "-d", "-C", "--no-show-raw-insn", "-M", "intel", path],
                           capture_output=True, text=True, check=True, timeout=300).stdout
@@ -69,12 +90,37 @@ def test_the_micro_kernel_loops_store_no_accumulator(native_module):
         pytest.skip(f"no compiled layer here: {native.status()}")
     if shutil.which("objdump") is None:
         pytest.skip("objdump (binutils) is not installed: the built layer's loops cannot be read")
-    report = loop_report(_disassemble(native_module.__file__))
-    # every tile shape the GEMM dispatches to: 1-6 rows x 1-4 column slices
-    assert len(report) == 24, sorted(report)
-    for fn, (fma_loops, stores) in report.items():
+    text = _disassemble(native_module.__file__)
+    # every tile shape the GEMM dispatches to: 1-6 rows x 1-4 column slices, with each side work
+    plain = loop_report(text, "dpbf16_tile<")
+    plain = {fn: r for fn, r in plain.items() if "LinePrefetch>" in fn}
+    assert len(plain) == 24, sorted(plain)
+    for fn, (fma_loops, stores) in plain.items():
         assert fma_loops >= 1, f"{fn}: no loop with vdpbf16ps found (inlined or renamed?)"
         assert not stores, f"{fn}: stores inside its vdpbf16ps loop: {stores[:4]}"
+    # the tiles with the FP8 decode as side work store its bf16 words, and nothing of their sums
+    decoding = {fn: r for fn, r in loop_report(text, "dpbf16_tile<").items() if "Fp8RowDecode>" in fn}
+    assert len(decoding) == 24, sorted(decoding)
+    for fn, stores in accumulator_stores(text, "dpbf16_tile<").items():
+        assert not stores, f"{fn}: accumulators stored inside its vdpbf16ps loop: {stores[:4]}"
+    for fn, (fma_loops, stores) in decoding.items():
+        assert fma_loops >= 1, f"{fn}: no loop with vdpbf16ps found (inlined or renamed?)"
+        zmm = [x for x in stores if "ZMMWORD" in x[2]]
+        assert len(zmm) <= 2 * fma_loops, f"{fn}: more zmm stores than the decode's two per loop: {zmm[:6]}"
+
+
+def test_the_tiles_that_run_without_vbmi_hold_no_vbmi_instruction(native_module):
+    # the tiles are compiled for AVX-512 VBMI (the FP8 side work's byte permutes); those with a prefetch
+    # list as side work run on AVX512-BF16 CPUs without VBMI (Cooper Lake), so none of theirs may be one
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump (binutils) is not installed: the built layer's loops cannot be read")
+    found = vbmi_instructions(_disassemble(native_module.__file__), "dpbf16_")
+    plain = {fn: x for fn, x in found.items() if "LinePrefetch" in fn}
+    assert len(plain) >= 24 + 4, sorted(plain)                        # the tiles and the strips
+    assert not any(plain.values()), {fn: x[:2] for fn, x in plain.items() if x}
+    assert any(x for fn, x in found.items() if "Fp8RowDecode" in fn)  # (the check sees them where they are)
 
 
 def test_the_loop_check_finds_stores_of_an_accumulator_array():
@@ -92,6 +138,25 @@ def test_the_loop_check_finds_stores_of_an_accumulator_array():
 """
     (fma_loops, stores), = loop_report(text).values()
     assert fma_loops == 1 and [s[0] for s in stores] == [0x100C, 0x101A]
+    (sums,), = [list(accumulator_stores(text, "dpbf16_tile").values())]
+    assert [s[0] for s in sums] == [0x100C, 0x101A]
+
+
+def test_the_loop_check_tells_a_side_steps_stores_from_accumulator_stores():
+    # a decode's words stored beside the products are not accumulators; a spilled sum is
+    text = """0000000000001000 <void dsattn_native::dpbf16_tile<1, 1, Side>(long)>:
+    1000:	vpbroadcastd zmm1,DWORD PTR [rax]
+    1006:	vdpbf16ps zmm2,zmm1,zmm0
+    100c:	vpermi2b zmm5,zmm6,zmm7
+    1012:	vmovdqu64 ZMMWORD PTR [r8-0x80],zmm5
+    101a:	vmovaps ZMMWORD PTR [rsp+0x40],zmm2
+    1022:	cmp    QWORD PTR [rsp+0x8],rcx
+    1027:	jne    1000 <void dsattn_native::dpbf16_tile<1, 1, Side>(long)+0x0>
+"""
+    (sums,), = [list(accumulator_stores(text, "dpbf16_tile").values())]
+    assert [s[0] for s in sums] == [0x101A]
+    assert [x[0] for x in vbmi_instructions(text, "dpbf16_tile")["void dsattn_native::dpbf16_tile<1, 1, Side>(long)"]] \
+        == [0x100C]
 
 
 def _has_onednn(module) -> bool:

@@ -67,6 +67,24 @@ def test_fuzz_configurations(backend, seed):
         assert rows and not failed, (fuzz.repro("qindexer", seed), [str(r.result) for r in failed])
 
 
+@pytest.mark.parametrize("layout,paged,page,scale_layout", [
+    ("BSND", True, 64, "block"), ("TND", True, 16, "separate"), ("BSND", False, 0, "row"), ("TND", False, 0, "separate")])
+@pytest.mark.parametrize("D", (64, 128))
+@pytest.mark.parametrize("ratio", (1, 4))
+def test_fp8_decode_rows_match_golden(layout, paged, page, scale_layout, D, ratio):
+    """Decode rows (runs shorter than the shared-key path takes) over FP8 keys with bf16 or FP8 queries and a
+    head dim that is a multiple of 64: where the compiled kernel decodes the codes as its GEMM's side work, a
+    slice ahead.  Hundreds of keys per request, so that chunks hold several slices, slices cross into the
+    next chunk or page, and a last slice holds fewer keys than its rows (the rest stale, never read)."""
+    seed = hash((layout, paged, D, ratio)) % 1000
+    base = cases.indexer_case(layout, ratio, torch.bfloat16, paged=paged, seed=seed, H=16, D=D, topk=40,
+                              lengths=[4 * 331, 4 * 97 + 3, 4 * 190 + 1], page=page or 4,
+                              query_rows=[1, 3, 2] if layout == "TND" else [2, 2, 2])   # (BSND: one S1 for all)
+    with _backend("compiled"):
+        for query in ("float", "quant"):
+            _check(cases.quant_indexer_case(base, FP8, scale_layout, query, block_pad=12))
+
+
 def test_integer_scores_exact():
     """Small integer codes with power-of-two scales: every score is exact, so the compiled kernel and
     the golden agree exactly, ties (lower key first) included."""

@@ -165,12 +165,17 @@ def _pack_int_rows(per_batch, layout, pad_to, tail=0):
 
 
 def indexer_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, paged: bool = False, seed: int = 0,
-                 H: int = 4, D: int = 32, topk: int = 8, integer: bool = False) -> Case:
+                 H: int = 4, D: int = 32, topk: int = 8, integer: bool = False, lengths: list[int] | None = None,
+                 query_rows: list[int] | None = None, page: int = 4) -> Case:
     """A lightning_indexer case (mask_mode 3).  ``integer=True`` draws small integers so every
-    score is exact and ties are real: fast and golden must then agree exactly."""
+    score is exact and ties are real: fast and golden must then agree exactly.  ``lengths`` (the
+    sequence lengths before compression) and ``query_rows`` (rows per batch) replace the defaults
+    together; ``page`` is the block size of a paged cache."""
     g = torch.Generator().manual_seed(seed)
     r = ratio
-    if r == 128:
+    if lengths is not None:
+        Ls, S1s = list(lengths), list(query_rows)
+    elif r == 128:
         Ls, S1s = ([300, 130, 389], [12, 0, 3]) if layout == "TND" else ([300, 130, 389], [5, 5, 5])
     else:
         Ls, S1s = ([42, 9, 30, 7], [42, 0, 5, 9]) if layout == "TND" else ([42, 19, 30], [12, 12, 12])
@@ -191,7 +196,7 @@ def indexer_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, p
     if layout == "TND":
         kw["cu_seqlens_q"] = cu_q
     if paged:
-        k, kw["block_table"] = _page(k_rows, 4, g)
+        k, kw["block_table"] = _page(k_rows, page, g)
         kw["seqused_k"] = torch.tensor(Kc, dtype=torch.int32)
     else:
         k, cu_k = _pack_rows(k_rows, layout, max(Kc) + 2, tail=2)

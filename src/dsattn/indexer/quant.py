@@ -119,7 +119,7 @@ def _code_values(codes: torch.Tensor) -> torch.Tensor:
 
 def parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, topk, quant_mode, kw,
                         content) -> tuple[QuantIndexerProblem, torch.Tensor | None, int]:
-    kw = dict(kw)
+    """(``kw``: the op's keyword arguments, a dict of the call's own, which this consumes)"""
     check_lightning_attrs(topk, kw.pop("max_seqlen_q", -1), kw.get("return_value", 0))
     return_value = kw.pop("return_value", 0)
     offset = kw.pop("output_idx_offset", None)
@@ -140,26 +140,33 @@ def parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_sc
     if tuple(weights.shape) != tuple(query.shape[:-1]):
         fail("weights", f"expected the shape of query without its head dim {tuple(query.shape[:-1])}, got "
              f"{tuple(weights.shape)}")
+    device = query.device
     for name, t in (("key", key), ("query_dequant_scale", query_dequant_scale),
                     ("key_dequant_scale", key_dequant_scale)):
-        if t is not None and t.device != query.device:
-            fail(name, f"is on {t.device} but query is on {query.device}; all tensors must be on one device")
+        if t is not None and t.device != device:
+            fail(name, f"is on {t.device} but query is on {device}; all tensors must be on one device")
     D = query.size(-1)
     if key_dequant_scale is None:            # (scales in the key: its layout alone describes the pool)
-        pool = _POOLS.get(key, (layout_k, scale_layout, D), lambda: index_key_pool(key, None, layout_k, scale_layout, D))
+        pool, keys = _POOLS.get(key, (layout_k, scale_layout, D, q.dtype),
+                                lambda: _with_stand_in(index_key_pool(key, None, layout_k, scale_layout, D), layout_k, q.dtype))
     else:
-        pool = index_key_pool(key, key_dequant_scale, layout_k, scale_layout, D)
-    logical = {"BSND": (pool.blocks, pool.bs, 1, D), "TND": (pool.blocks, 1, D),
-               "PA_BBND": (pool.blocks, pool.bs, 1, D)}[layout_k]
-    stand_in = torch.empty((), dtype=q.dtype, device=q.device).expand(logical)
-    base = dict(cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, cmp_residual_k=None,
-                block_table=None, metadata=None, layout_q="BSND", layout_k="BSND", mask_mode=0, cmp_ratio=1)
-    base.update(kw)
-    P = parse_indexer(q, stand_in, weights, k_layouts=K_LAYOUTS, content=content, problem_cls=QuantIndexerProblem,
-                      source_cls=QuantKeys, **base)
+        pool, keys = _with_stand_in(index_key_pool(key, key_dequant_scale, layout_k, scale_layout, D), layout_k, q.dtype)
+    P = parse_indexer(q, keys, weights, k_layouts=K_LAYOUTS, content=content, problem_cls=QuantIndexerProblem,
+                      source_cls=QuantKeys, **{**_DEFAULTS, **kw})
     P.k.pool, P.k.decode = pool, _decoded
     P.pool, P.q_scale = pool, None if q_scale is None else P.rows.flat(q_scale)
     return P, check_offset(offset, P, layout_q), return_value
+
+
+_DEFAULTS = dict(cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, cmp_residual_k=None,
+                 block_table=None, metadata=None, layout_q="BSND", layout_k="BSND", mask_mode=0, cmp_ratio=1)
+
+
+def _with_stand_in(pool: IndexKeyPool, layout_k: str, dtype: torch.dtype) -> tuple[IndexKeyPool, torch.Tensor]:
+    """The pool and a zero-stride tensor of its logical key shape in the query's dtype: what parse_indexer reads
+    of the keys (their sizes).  Kept with the pool where it is memoised (a decode step passes the same pools)."""
+    logical = (pool.blocks, 1, pool.D) if layout_k == "TND" else (pool.blocks, pool.bs, 1, pool.D)
+    return pool, torch.empty((), dtype=dtype, device=pool.values.device).expand(logical)
 
 
 def _decoded(rows):

@@ -57,8 +57,8 @@ def quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequan
     """Golden of ``quant_lightning_indexer``: the query and every key dequantised (``fp32(code) x scale``),
     then the ``lightning_indexer`` golden on them."""
     from .quant import parse_quant_indexer
-    P, _, _ = parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, topk, quant_mode, kw,
-                                  True)
+    P, _, _ = parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, topk, quant_mode,
+                                  dict(kw), True)
     q = query.float() if P.q_scale is None else query.float() * query_dequant_scale.float()[..., None]
     keys = P.pool.dequantize()                                                 # [blocks, bs, D]
     k = keys[:, 0, None] if kw.get("layout_k", "BSND") == "TND" else keys[:, :, None]

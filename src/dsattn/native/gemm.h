@@ -90,9 +90,16 @@ inline bool packed_gemm(at::ScalarType dt) { return gemm_kind(dt) != KIND_FP32; 
 // gather of a decode row is bound by the misses a core keeps in flight (its prefetches stall once they
 // are all in use); issued one per K step of the micro-kernel's tiles, the misses overlap the products
 // instead.  The ukernel paths (AMX, oneDNN) leave the list alone.
+//
+// The list is one kind of a tile's side work: ``step(kp)`` runs once per K step of the micro-kernel's
+// loop, between its products (dpbf16_gemm's ``Side``).  Another kind decodes the next rows of A while
+// this tile multiplies (the quantised indexer's FP8 keys: indexer.cpp, Fp8RowDecode).
 struct LinePrefetch {
   const char* const* next = nullptr;
   const char* const* end = nullptr;
+  __attribute__((always_inline)) void step(int64_t) {
+    if (next != end) _mm_prefetch(*next++, _MM_HINT_T1);
+  }
 };
 
 // ---- the AVX512-BF16 micro-kernel ----
@@ -107,12 +114,16 @@ struct LinePrefetch {
 // array of vectors exists for the compiler to keep in memory.  An __m512 acc[8][2] array, indexed
 // in loops, was kept on the stack by GCC 12 and written back on every K step (16 zmm stores per 16
 // vdpbf16ps): on Zen 4, which retires one 512-bit store every other cycle, that bound the GEMM to
-// under half the vdpbf16ps rate (85 against 228 GFLOP/s on one core).  test_native_kernels reads
-// the built layer's disassembly: no store inside any loop of these tiles.
-template <int MR, int NV>
-__attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dpbf16_tile(
+// under half the vdpbf16ps rate (85 against 228 GFLOP/s on one core).  test_gemm_kernel reads
+// the built layer's disassembly: no store inside any loop of these tiles (but the side work's own).
+//
+// ``side->step(kp)`` runs once per K step (LinePrefetch above).  The tiles are compiled for AVX-512
+// VBMI too, so that a side step may use its byte permutes; the test also reads that no tile with a
+// LinePrefetch side holds a VBMI instruction (those run on AVX512-BF16 CPUs without VBMI: Cooper Lake).
+template <int MR, int NV, typename Side>
+__attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi"))) void dpbf16_tile(
     int64_t K2, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool add_C,
-    __mmask16 tail, LinePrefetch* pf) {
+    __mmask16 tail, Side* side) {
   static_assert(MR >= 1 && MR <= 6 && NV >= 1 && NV <= 4, "a tile is at most 6 rows x 4 column slices");
 #define DSATTN_DP_MASK(v) ((v) == NV - 1 ? tail : __mmask16(0xFFFF))
 #define DSATTN_DP_ROW_DECL(r) \
@@ -139,10 +150,9 @@ __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) void d
   if (add_C) { DSATTN_DP_FOR_ROWS(DSATTN_DP_LOAD_ROW) }
   const uint16_t* b = B;
   const uint16_t* ar = A;
-  const char* const* pf_next = pf->next;
-  const char* const* const pf_end = pf->end;
+  Side work = *side;                 // (a local copy: its fields stay in registers across the side's stores)
   for (int64_t kp = 0; kp < K2; ++kp, b += 2 * ldb, ar += 2) {
-    if (pf_next != pf_end) _mm_prefetch(*pf_next++, _MM_HINT_T1);
+    work.step(kp);
     const __m512i b0 = _mm512_maskz_loadu_epi32(DSATTN_DP_MASK(0), b);
     __m512i b1 = b0, b2 = b0, b3 = b0;
     if constexpr (NV > 1) b1 = _mm512_maskz_loadu_epi32(DSATTN_DP_MASK(1), b + 32);
@@ -150,7 +160,7 @@ __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) void d
     if constexpr (NV > 3) b3 = _mm512_maskz_loadu_epi32(DSATTN_DP_MASK(3), b + 96);
     DSATTN_DP_FOR_ROWS(DSATTN_DP_FMA_ROW)
   }
-  pf->next = pf_next;
+  *side = work;
   DSATTN_DP_FOR_ROWS(DSATTN_DP_STORE_ROW)
 #undef DSATTN_DP_MASK
 #undef DSATTN_DP_ROW_DECL
@@ -165,13 +175,14 @@ __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) void d
 }
 
 // Rows [0, M) of one strip of NV column slices: whole 6-row tiles, then one tile of the rest.
-template <int NV>
+template <int NV, typename Side>
 void dpbf16_strip(int64_t M, int64_t K2, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C,
-                  int64_t ldc, bool add_C, __mmask16 tail, LinePrefetch* pf) {
+                  int64_t ldc, bool add_C, __mmask16 tail, Side* pf) {
   using Tile = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool, __mmask16,
-                        LinePrefetch*);
-  static constexpr Tile tiles[7] = {nullptr,             dpbf16_tile<1, NV>, dpbf16_tile<2, NV>, dpbf16_tile<3, NV>,
-                                    dpbf16_tile<4, NV>, dpbf16_tile<5, NV>, dpbf16_tile<6, NV>};
+                        Side*);
+  static constexpr Tile tiles[7] = {nullptr,
+                                    dpbf16_tile<1, NV, Side>, dpbf16_tile<2, NV, Side>, dpbf16_tile<3, NV, Side>,
+                                    dpbf16_tile<4, NV, Side>, dpbf16_tile<5, NV, Side>, dpbf16_tile<6, NV, Side>};
   for (int64_t r0 = 0; r0 < M; r0 += 6)
     tiles[std::min<int64_t>(6, M - r0)](K2, A + r0 * lda, lda, B, ldb, C + r0 * ldc, ldc, add_C, tail, pf);
 }
@@ -184,13 +195,15 @@ void dpbf16_strip(int64_t M, int64_t K2, const uint16_t* A, int64_t lda, const u
 // C and sets up its pointers again), unblocked 174-225 (P V with 32 rows lost its strip from L1).
 constexpr int64_t DPBF16_KBLOCK = 256;
 
+template <typename Side = LinePrefetch>
 inline void dpbf16_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
-                        const uint16_t* A, const uint16_t* B, float* C, LinePrefetch* pf = nullptr) {
+                        const uint16_t* A, const uint16_t* B, float* C, Side* pf = nullptr) {
   using Strip = void (*)(int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool,
-                         __mmask16, LinePrefetch*);
-  LinePrefetch none;
+                         __mmask16, Side*);
+  Side none{};
   if (pf == nullptr) pf = &none;
-  static constexpr Strip strips[5] = {nullptr, dpbf16_strip<1>, dpbf16_strip<2>, dpbf16_strip<3>, dpbf16_strip<4>};
+  static constexpr Strip strips[5] = {nullptr, dpbf16_strip<1, Side>, dpbf16_strip<2, Side>, dpbf16_strip<3, Side>,
+                                      dpbf16_strip<4, Side>};
   TORCH_CHECK(K % 2 == 0, "dpbf16_gemm: K must be even (B is in pairs of K), got ", K);
   for (int64_t n0 = 0; n0 < N; n0 += 64) {
     const int64_t cols = std::min<int64_t>(64, N - n0);

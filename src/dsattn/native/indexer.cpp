@@ -460,42 +460,15 @@ __attribute__((target("avx512f,avx512bw"))) void fp8_codes_bf16_avx512(const uin
   for (; d < n; ++d) out[d] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, code_value(x[d], true)) >> 16);
 }
 
-// 64 fp8 codes at a time by table (AVX-512 VBMI, Zen 4 and Ice Lake on): the two bytes of each
-// magnitude's bf16 are looked up in 128-entry byte tables (one vpermi2b each), the sign is or-ed into the
-// high byte and the bytes are interleaved into words: 10 instructions per 64 codes, where the arithmetic
-// decode above takes 26 (its subnormal lookup and NaN blend) -- a decode step's keys pass through it once.
-// ``rows`` rows of n codes each (row r at x + r * x_step, written at out + r * out_step), the tables loaded once.
+// Rows of fp8 codes to bf16 by table (fp8x64_bf16_vbmi): ``rows`` rows of n codes each (row r at
+// x + r * x_step, written at out + r * out_step).
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void fp8_rows_bf16_vbmi(const uint8_t* x, int64_t x_step,
                                                                              int64_t rows, int64_t n, uint16_t* out,
                                                                              int64_t out_step) {
-  struct Tables {
-    alignas(64) uint8_t lo[128], hi[128];
-    alignas(64) uint8_t order[2][64];                  // word i = (lo byte i, hi byte i): indices i, 64 + i
-    Tables() {
-      for (int em = 0; em < 128; ++em) {
-        const uint32_t bits = __builtin_bit_cast(uint32_t, code_value(static_cast<uint8_t>(em), true)) >> 16;
-        lo[em] = static_cast<uint8_t>(bits & 0xFF), hi[em] = static_cast<uint8_t>(bits >> 8);
-      }
-      for (int half = 0; half < 2; ++half)
-        for (int i = 0; i < 32; ++i)
-          order[half][2 * i] = static_cast<uint8_t>(32 * half + i), order[half][2 * i + 1] = static_cast<uint8_t>(64 + 32 * half + i);
-    }
-  };
-  static const Tables tab;
-  const __m512i lo0 = _mm512_load_si512(tab.lo), lo1 = _mm512_load_si512(tab.lo + 64);
-  const __m512i hi0 = _mm512_load_si512(tab.hi), hi1 = _mm512_load_si512(tab.hi + 64);
-  const __m512i low7 = _mm512_set1_epi8(0x7F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i first = _mm512_load_si512(tab.order[0]), second = _mm512_load_si512(tab.order[1]);
+  const dsattn_native::Fp8Bf16Tables& tables = dsattn_native::fp8_bf16_tables();
   for (int64_t r = 0; r < rows; ++r, x += x_step, out += out_step) {
     int64_t d = 0;
-    for (; d + 64 <= n; d += 64) {
-      const __m512i b = _mm512_loadu_si512(x + d);
-      const __m512i em = _mm512_and_si512(b, low7);
-      const __m512i lo = _mm512_permutex2var_epi8(lo0, em, lo1);
-      const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(hi0, em, hi1), _mm512_and_si512(b, sign));
-      _mm512_storeu_si512(out + d, _mm512_permutex2var_epi8(lo, first, hi));
-      _mm512_storeu_si512(out + d + 32, _mm512_permutex2var_epi8(lo, second, hi));
-    }
+    for (; d + 64 <= n; d += 64) dsattn_native::fp8x64_bf16_vbmi(x + d, out + d, tables);
     if (d < n) fp8_codes_bf16_avx512(x + d, n - d, out + d);
   }
 }
@@ -506,6 +479,60 @@ bool cpu_has_avx512vbmi() {
   static const bool has = dsattn_native::cpu_has_avx512bw() && __builtin_cpu_supports("avx512vbmi");
   return has;
 }
+
+// The next rows of FP8 codes decoded to bf16 while a GEMM tile multiplies the current ones: the side work
+// of dsattn's micro-kernel (dpbf16_gemm), one group of 64 codes every DECODE_EVERY K steps.  The byte
+// permutes run beside the vdpbf16ps stream instead of between GEMMs: Zen 4, one core, 8K keys x 128 x 64
+// heads in cache, ns per key: the GEMM on bf16 keys 71.6, each slice decoded then multiplied 77.4, decoded
+// during the previous slice's GEMM 72.2 (a group every 2 or 4 K steps; every step 75.8, every 8th 73.5).
+//
+// Between the decodes it prefetches the next chunk's code rows into L2 (``ahead``), so that no loop of
+// prefetches runs on its own either (one per chunk took a fifth of the walk's time outside the GEMM).
+struct RowPrefetch {
+  const char* at = nullptr;
+  int64_t step = 0, rows = 0, lines = 1;    // rows of ``lines`` cache lines, ``step`` bytes apart
+  __attribute__((always_inline)) void one() {
+    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(at + 64 * l, _MM_HINT_T1);
+    at += step, --rows;
+  }
+  void finish() {
+    while (rows > 0) one();
+  }
+};
+
+struct Fp8RowDecode {
+  static constexpr int64_t DECODE_EVERY = 4;
+  const uint8_t* src = nullptr;
+  uint16_t* dst = nullptr;
+  int64_t src_skip = 0, dst_skip = 0;       // from a row's end to the next row's start
+  int64_t groups_per_row = 1, part = 0, left = 0;
+  const dsattn_native::Fp8Bf16Tables* tables = nullptr;
+  RowPrefetch ahead;
+
+  // rows [0, rows) of n = 64 x groups codes each, row r at src + r * src_step, into dst + r * dst_step
+  static Fp8RowDecode rows(const uint8_t* src, int64_t src_step, uint16_t* dst, int64_t dst_step, int64_t rows,
+                           int64_t n) {
+    Fp8RowDecode d;
+    d.src = src, d.dst = dst, d.src_skip = src_step - n, d.dst_skip = dst_step - n;
+    d.groups_per_row = n / 64, d.left = rows * (n / 64);
+    d.tables = &dsattn_native::fp8_bf16_tables();
+    return d;
+  }
+
+  __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) void one() {
+    dsattn_native::fp8x64_bf16_vbmi(src, dst, *tables);
+    src += 64, dst += 64, --left;
+    if (++part == groups_per_row) part = 0, src += src_skip, dst += dst_skip;
+  }
+  __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) void step(int64_t kp) {
+    if (kp % DECODE_EVERY == 0 && left > 0) one();
+    if (kp % DECODE_EVERY == DECODE_EVERY / 2 && ahead.rows > 0) ahead.one();
+  }
+  // what the tiles' K steps left
+  __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void finish() {
+    while (left > 0) one();
+  }
+};
 
 // 32 int8 codes at a time to bf16 (exact: |code| <= 128 has at most 8 significant bits)
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int8_codes_bf16_avx512(const uint8_t* x, int64_t n,
@@ -540,9 +567,9 @@ void decode_codes(const uint8_t* x, int64_t n, bool fp8, mm_t* out) {
 // them per score, relu(q_scale[h] * k_scale[key] * c[key, h]).  Either way one fp32 product and one
 // multiply per score or key in both score layouts, so a row's scores do not depend on the path it takes.
 inline bool all_non_negative(const float* s, int64_t n) {
-  bool ok = true;
-  for (int64_t i = 0; i < n; ++i) ok &= s[i] >= 0.0f;
-  return ok;
+  int32_t other = 0;                     // (a count, not a bool: GCC vectorises the compares)
+  for (int64_t i = 0; i < n; ++i) other += !(s[i] >= 0.0f);
+  return other == 0;
 }
 
 void scale_key_major(float* c, int64_t M, int64_t Hp, const float* ks, const float* qs) {
@@ -581,6 +608,11 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
   float* vp = values.data_ptr<float>();
   int32_t* ip = indices.data_ptr<int32_t>();
   const int64_t words = Dp * static_cast<int64_t>(sizeof(mm_t)) / 4;   // 32-bit words per key row of ka
+  // FP8 keys on dsattn's AVX512-BF16 micro-kernel with VBMI: a decode row's key codes are decoded as side work of
+  // the GEMM (Fp8RowDecode), a slice ahead, rather than before each slice's GEMM
+  const bool fused_decode = std::is_same_v<mm_t, c10::BFloat16> && quant != nullptr && quant->fp8 && D % 64 == 0 &&
+                            cpu_has_avx512vbmi() &&
+                            dsattn_native::gemm_kind(at::kBFloat16) == dsattn_native::KIND_AVX512BF16;
   // One request's decode row with many keys (a call of one row) is split over the threads by its keys: each
   // part, from a chunk boundary of the whole row's walk, keeps its own running selection and the parts are
   // merged.  Every key's score is the same whichever part computes it (the same chunks, the same slices),
@@ -613,7 +645,8 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
     };
     dsattn_native::Buffer<mm_t> panels, qa;                // (the shared path's, sized on first use)
     std::vector<int64_t> chunk_at, chunk_n;
-    dsattn_native::Buffer<mm_t> widened(rows_direct ? 0 : CHUNK * Dp, mm_t(0));
+    // (where the decode runs beside the GEMM: two slices' rows, the one multiplied and the next one decoded)
+    dsattn_native::Buffer<mm_t> widened(rows_direct ? 0 : fused_decode ? 2 * SLICE * Dp : CHUNK * Dp, mm_t(0));
     // quantised keys: the chunk's key scales, the shared path's block of them, the row's query scales
     dsattn_native::Buffer<float> kscale(quant ? CHUNK : 0), block_scales, qs(quant ? Hp : 0, 1.0f), wq(quant ? Hp : 0, 0.0f);
     bool qs_folds = true;                                  // the row's query scales are all >= 0
@@ -643,11 +676,15 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
     };
     // quantised keys [j0, j1) of the chunk that starts at key row ``first``: their codes decoded into widened
     // rows j0 .. j1 - 1 and their scales into kscale
+    auto key_scales = [&](int64_t first, int64_t j0, int64_t j1) {
+      const float* scales = quant->scale_at(first);
+      const int64_t ss = quant->scale_step();
+      for (int64_t j = j0; j < j1; ++j) kscale[j] = scales[j * ss];
+    };
     auto decode_keys = [&](int64_t first, int64_t j0, int64_t j1) {
       const uint8_t* codes = quant->codes(first);
-      const float* scales = quant->scale_at(first);
-      const int64_t cs = quant->code_step(), ss = quant->scale_step();
-      for (int64_t j = j0; j < j1; ++j) kscale[j] = scales[j * ss];
+      const int64_t cs = quant->code_step();
+      key_scales(first, j0, j1);
       if constexpr (std::is_same_v<mm_t, c10::BFloat16>) {
         if (quant->fp8 && cpu_has_avx512vbmi())           // (the rows at once: the tables loaded once)
           return fp8_rows_bf16_vbmi(codes + j0 * cs, cs, j1 - j0, D, reinterpret_cast<uint16_t*>(widened.data() + j0 * Dp), Dp);
@@ -671,8 +708,22 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
       dsattn_native::pack_query<scalar_t, mm_t>(qp + t * H * D, H, D, Hp, Dp, qb.data());   // B = q_t^T
       std::copy(wp + t * H, wp + (t + 1) * H, wpad.begin());
       if (quant) row_scales(t);
+      // the decode beside the GEMM: slice i's rows in widened slot i % 2, the first decoded before the walk
+      // starts, every other one by the side work of the slice before it (the rows of a slice past its valid
+      // keys, stale, are never read back)
+      auto chunk_keys = [&](int64_t j) { return std::min({CHUNK, count - j, kp.page - j % kp.page}); };
+      auto slot = [&](int64_t i) { return widened.data() + (i % 2) * SLICE * Dp; };
+      auto slice_decode = [&](int64_t first, int64_t r0, int64_t rows, mm_t* to) {
+        return Fp8RowDecode::rows(quant->codes(first) + r0 * quant->code_step(), quant->code_step(),
+                                  reinterpret_cast<uint16_t*>(to), Dp, rows, D);
+      };
+      int64_t slices = 0;
+      if (fused_decode && begin < count) {
+        Fp8RowDecode first_slice = slice_decode(kp.row(bp[t], begin), 0, std::min(SLICE, chunk_keys(begin)), slot(0));
+        first_slice.finish();
+      }
       for (int64_t j0 = begin; j0 < count;) {
-        const int64_t valid = std::min({CHUNK, count - j0, kp.page - j0 % kp.page});   // within one page
+        const int64_t valid = chunk_keys(j0);   // within one page
         const int64_t first = kp.row(bp[t], j0);
         // M rounded up (fewer kernel shapes): the extra rows (key rows of the tensor, or earlier rows of
         // the widened buffer) are never read back
@@ -680,18 +731,19 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
         // quantised keys: the next chunk's codes and scales are fetched into L2 while this one is decoded and
         // multiplied (its misses would otherwise stall the decode one row after another), and this chunk is
         // decoded a slice at a time just before the slice's GEMM reads it (from L1)
+        // (with the decode beside the GEMM, the code rows are prefetched by its side work too)
+        RowPrefetch ahead;
         if (quant != nullptr && j0 + valid < count) {
-          const int64_t j1 = j0 + valid, nv = std::min({CHUNK, count - j1, kp.page - j1 % kp.page});
+          const int64_t j1 = j0 + valid, nv = chunk_keys(j1);
           const int64_t nf = kp.row(bp[t], j1);
-          const char* codes = reinterpret_cast<const char*>(quant->codes(nf));
           const char* scales = reinterpret_cast<const char*>(quant->scale_at(nf));
-          const int64_t cs = quant->code_step(), ss = 4 * quant->scale_step();
-          for (int64_t j = 0; j < nv; ++j) {
-            for (int64_t b = 0; b < D; b += 64) _mm_prefetch(codes + j * cs + b, _MM_HINT_T1);
-            if (j % 16 == 0) _mm_prefetch(scales + j * ss, _MM_HINT_T1);
-          }
+          const int64_t ss = 4 * quant->scale_step();
+          for (int64_t j = 0; j < nv; j += 16) _mm_prefetch(scales + j * ss, _MM_HINT_T1);
+          ahead = RowPrefetch{reinterpret_cast<const char*>(quant->codes(nf)), quant->code_step(), nv, (D + 63) / 64};
+          if (!fused_decode) ahead.finish();
         }
         const mm_t* ka = quant != nullptr ? widened.data() : key_rows(first, valid);
+        if (fused_decode) key_scales(first, 0, valid);
         // SLICE keys at a time, their rows prefetched (or decoded) first (see SLICE)
         const int64_t slice = rows_direct || quant != nullptr ? SLICE : M;   // (widened rows are in L1 already)
         for (int64_t m0 = 0; m0 < M; m0 += slice) {
@@ -700,16 +752,28 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
             const char* from = reinterpret_cast<const char*>(ka + m0 * Dp);
             for (int64_t b = 0; b < ms * Dp * static_cast<int64_t>(sizeof(mm_t)); b += 64) _mm_prefetch(from + b, _MM_HINT_T1);
           }
-          if (quant != nullptr) decode_keys(first, m0, std::min(m0 + ms, valid));
+          if (quant != nullptr && !fused_decode) decode_keys(first, m0, std::min(m0 + ms, valid));
+          Fp8RowDecode next;                   // the slice after this one: of this chunk, or the next chunk's first
+          if (fused_decode && m0 + slice < valid)
+            next = slice_decode(first, m0 + slice, std::min(slice, valid - m0 - slice), slot(slices + 1));
+          else if (fused_decode && j0 + valid < count)
+            next = slice_decode(kp.row(bp[t], j0 + valid), 0, std::min(slice, chunk_keys(j0 + valid)), slot(slices + 1));
+          next.ahead = ahead;
           for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
             const int64_t pw = std::min(PANEL, Hp - h0);
             float* cm = c.data() + m0 * Hp + h0;
-            if constexpr (packed)
+            if (fused_decode)
+              dsattn_native::dpbf16_gemm(ms, pw, Dp, Dp, pw, Hp, false, reinterpret_cast<const uint16_t*>(slot(slices)),
+                                         reinterpret_cast<const uint16_t*>(qb.data() + h0 * Dp), cm, &next);
+            else if constexpr (packed)
               gemm(ms, pw, Dp, Dp, pw, Hp, false, ka + m0 * Dp, qb.data() + h0 * Dp, cm, true);
             else
               gemm(ms, pw, Dp, Dp, Hp, Hp, false, ka + m0 * Dp, qb.data() + h0, cm, false);
           }
+          if (fused_decode) next.finish(), ahead = next.ahead;
+          ++slices;
         }
+        ahead.finish();                        // (what the slices' side work left)
         if (quant)
           quant_scores_keys(valid, kscale.data());
         else
