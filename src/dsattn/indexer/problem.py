@@ -50,9 +50,12 @@ def _leading(q, layout_q):
 
 def parse_indexer(q, k, w, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, cmp_residual_k,
                   block_table, metadata, layout_q, layout_k, mask_mode, cmp_ratio, k_layouts,
-                  content=None, problem_cls: type = IndexerProblem, source_cls: type = KVSource) -> IndexerProblem:
+                  content=None, problem_cls: type = IndexerProblem, source_cls: type = KVSource,
+                  names: tuple[str, str] = ("q", "w")) -> IndexerProblem:
     """Checks shared by lightning_indexer, its KL-loss gradient and quant_lightning_indexer (which
-    describes its keys and its problem with subclasses of its own: ``source_cls``, ``problem_cls``)."""
+    describes its keys and its problem with subclasses of its own: ``source_cls``, ``problem_cls``, and
+    names its query and weights ``names``)."""
+    q_name, w_name = names
     check_choice("layout_q", layout_q, ("BSND", "TND"))
     check_choice("layout_k", layout_k, k_layouts)
     if layout_k in ("BSND", "TND") and layout_k != layout_q:
@@ -60,22 +63,23 @@ def parse_indexer(q, k, w, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
         fail("layout_k", f"{layout_k!r} cannot be combined with layout_q={layout_q!r}; allowed pairs: {pairs}")
     check_choice("mask_mode", mask_mode, (0, 3))
     check_int_range("cmp_ratio", cmp_ratio, 1, 128)
-    check_float("q", q)
+    check_float(q_name, q)
     check_dtype("k", k, q.dtype, "must match q")
-    check_dtype("w", w, torch.float32)
+    check_dtype(w_name, w, torch.float32)
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q),
                     ("seqused_k", seqused_k), ("cmp_residual_k", cmp_residual_k), ("block_table", block_table),
                     ("metadata", metadata)):
         check_int32(name, t)
-    check_same_device(q=q, k=k, w=w, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+    check_same_device(**{q_name: q, "k": k, w_name: w}, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                       seqused_k=seqused_k, cmp_residual_k=cmp_residual_k, block_table=block_table)
     rank = 4 if layout_q == "BSND" else 3
     if q.dim() != rank:
-        fail("q", f"expected a {rank}-D tensor for layout {layout_q}, got shape {tuple(q.shape)}")
+        fail(q_name, f"expected a {rank}-D tensor for layout {layout_q}, got shape {tuple(q.shape)}")
     if k.size(-1) != q.size(-1):
         fail("k", f"head dim {k.size(-1)} does not match q's head dim {q.size(-1)}")
     if tuple(w.shape) != tuple(q.shape[:-1]):
-        fail("w", f"expected the shape of q without its head dim {tuple(q.shape[:-1])}, got {tuple(w.shape)}")
+        fail(w_name, f"expected the shape of {q_name} without its head dim {tuple(q.shape[:-1])}, got "
+             f"{tuple(w.shape)}")
     if content is None:
         content = content_checks_enabled(q, cu_seqlens_q)
     if layout_q == "TND":

@@ -134,12 +134,7 @@ def parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_sc
     if query.dim() != rank:
         fail("query", f"expected a {rank}-D tensor for layout {layout_q}, got shape {tuple(query.shape)}")
     q, q_scale = _check_query(query, query_dequant_scale, key, rank - 2)
-    check_tensor("weights", weights)
-    if weights.dtype != torch.float32:
-        fail("weights", f"dtype {weights.dtype} is not supported; expected torch.float32", TypeError)
-    if tuple(weights.shape) != tuple(query.shape[:-1]):
-        fail("weights", f"expected the shape of query without its head dim {tuple(query.shape[:-1])}, got "
-             f"{tuple(weights.shape)}")
+    check_tensor("weights", weights)                # (its dtype and shape: parse_indexer's checks, by these names)
     device = query.device
     for name, t in (("key", key), ("query_dequant_scale", query_dequant_scale),
                     ("key_dequant_scale", key_dequant_scale)):
@@ -152,7 +147,7 @@ def parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_sc
     else:
         pool, keys = _with_stand_in(index_key_pool(key, key_dequant_scale, layout_k, scale_layout, D), layout_k, q.dtype)
     P = parse_indexer(q, keys, weights, k_layouts=K_LAYOUTS, content=content, problem_cls=QuantIndexerProblem,
-                      source_cls=QuantKeys, **{**_DEFAULTS, **kw})
+                      source_cls=QuantKeys, names=("query", "weights"), **{**_DEFAULTS, **kw})
     P.k.pool, P.k.decode = pool, _decoded
     P.pool, P.q_scale = pool, None if q_scale is None else P.rows.flat(q_scale)
     return P, check_offset(offset, P, layout_q), return_value
