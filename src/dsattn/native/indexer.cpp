@@ -41,13 +41,14 @@ namespace {
 using dsattn_native::gemm;
 using dsattn_native::gemm_release;
 
-constexpr int64_t CHUNK = 128;  // keys per chunk: the fp32 scores [CHUNK, Hp] stay in L1 for the head sum
+constexpr int64_t CHUNK = 128;  // keys per chunk: a unit of the running top-k (and the shared path's fp32 scores)
 // A decode row streams its keys from memory as the GEMM's A operand.  AMX tile loads that miss the
 // caches wait one after another (the ukernel's hot spots are its key tile loads), so the chunk's
 // GEMM runs in slices of SLICE keys and each slice's rows are first prefetched into L2 all at once:
 // the misses then overlap.  B 32 x 32K keys (V4's indexer at 128K), both cores, runs interleaved:
 // 20.2-20.9 ms in whole chunks, 19.1 in slices without the prefetch, 16.8-17.3 with it; slices of
-// 16 / 64 / 128 keys: 20.5 / 18.3 / 19.7; prefetching a slice or more ahead: 22-24 (slower).
+// 16 / 64 / 128 keys: 20.5 / 18.3 / 19.7; prefetching a slice or more ahead: 22-24 (slower).  A slice's
+// fp32 products [SLICE, Hp] (8 KB at 64 heads) are summed over heads right after its GEMM, while in L1.
 constexpr int64_t SLICE = 32;
 // A call of one row (a one-request decode) with at least this many keys splits them over the threads.
 constexpr int64_t SPLIT_KEYS = 1024;
@@ -656,13 +657,14 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
       qs_folds = all_non_negative(qs.data(), H);
     };
     // a chunk's scores from its code products c: the scales folded where they may be (see above)
-    auto quant_scores_keys = [&](int64_t valid, const float* ks) {
-      if (qs_folds && all_non_negative(ks, valid)) {
-        head_sum_keys(c.data(), valid, Hp, wq.data(), score.data());
-        for (int64_t j = 0; j < valid; ++j) score[j] *= ks[j];
+    // (key-major: the code products cs [n, Hp] of n keys, their scales ks, into out; ``fold`` decided per chunk)
+    auto quant_scores_keys = [&](float* cs, int64_t n, const float* ks, bool fold, float* out) {
+      if (fold) {
+        head_sum_keys(cs, n, Hp, wq.data(), out);
+        for (int64_t j = 0; j < n; ++j) out[j] *= ks[j];
       } else {
-        scale_key_major(c.data(), valid, Hp, ks, qs.data());
-        head_sum_keys(c.data(), valid, Hp, wpad.data(), score.data());
+        scale_key_major(cs, n, Hp, ks, qs.data());
+        head_sum_keys(cs, n, Hp, wpad.data(), out);
       }
     };
     auto quant_scores_heads = [&](int64_t t, int64_t valid, const float* ks) {
@@ -681,15 +683,18 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
       const int64_t ss = quant->scale_step();
       for (int64_t j = j0; j < j1; ++j) kscale[j] = scales[j * ss];
     };
-    auto decode_keys = [&](int64_t first, int64_t j0, int64_t j1) {
+    auto decode_codes_rows = [&](int64_t first, int64_t j0, int64_t j1) {
       const uint8_t* codes = quant->codes(first);
       const int64_t cs = quant->code_step();
-      key_scales(first, j0, j1);
       if constexpr (std::is_same_v<mm_t, c10::BFloat16>) {
         if (quant->fp8 && cpu_has_avx512vbmi())           // (the rows at once: the tables loaded once)
           return fp8_rows_bf16_vbmi(codes + j0 * cs, cs, j1 - j0, D, reinterpret_cast<uint16_t*>(widened.data() + j0 * Dp), Dp);
       }
       for (int64_t j = j0; j < j1; ++j) decode_codes<mm_t>(codes + j * cs, D, quant->fp8, widened.data() + j * Dp);
+    };
+    auto decode_keys = [&](int64_t first, int64_t j0, int64_t j1) {
+      key_scales(first, j0, j1);
+      decode_codes_rows(first, j0, j1);
     };
     // rows [first, first + m) of the keys as [m, Dp] operand rows (m <= CHUNK)
     auto key_rows = [&](int64_t first, int64_t m) -> const mm_t* {
@@ -743,7 +748,8 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
           if (!fused_decode) ahead.finish();
         }
         const mm_t* ka = quant != nullptr ? widened.data() : key_rows(first, valid);
-        if (fused_decode) key_scales(first, 0, valid);
+        if (quant) key_scales(first, 0, valid);
+        const bool fold = quant && qs_folds && all_non_negative(kscale.data(), valid);
         // SLICE keys at a time, their rows prefetched (or decoded) first (see SLICE)
         const int64_t slice = rows_direct || quant != nullptr ? SLICE : M;   // (widened rows are in L1 already)
         for (int64_t m0 = 0; m0 < M; m0 += slice) {
@@ -752,7 +758,7 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
             const char* from = reinterpret_cast<const char*>(ka + m0 * Dp);
             for (int64_t b = 0; b < ms * Dp * static_cast<int64_t>(sizeof(mm_t)); b += 64) _mm_prefetch(from + b, _MM_HINT_T1);
           }
-          if (quant != nullptr && !fused_decode) decode_keys(first, m0, std::min(m0 + ms, valid));
+          if (quant != nullptr && !fused_decode) decode_codes_rows(first, m0, std::min(m0 + ms, valid));
           Fp8RowDecode next;                   // the slice after this one: of this chunk, or the next chunk's first
           if (fused_decode && m0 + slice < valid)
             next = slice_decode(first, m0 + slice, std::min(slice, valid - m0 - slice), slot(slices + 1));
@@ -761,7 +767,7 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
           next.ahead = ahead;
           for (int64_t h0 = 0; h0 < Hp; h0 += PANEL) {
             const int64_t pw = std::min(PANEL, Hp - h0);
-            float* cm = c.data() + m0 * Hp + h0;
+            float* cm = c.data() + h0;          // (a slice's products, summed over heads below while in L1)
             if (fused_decode)
               dsattn_native::dpbf16_gemm(ms, pw, Dp, Dp, pw, Hp, false, reinterpret_cast<const uint16_t*>(slot(slices)),
                                          reinterpret_cast<const uint16_t*>(qb.data() + h0 * Dp), cm, &next);
@@ -772,12 +778,13 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
           }
           if (fused_decode) next.finish(), ahead = next.ahead;
           ++slices;
+          const int64_t keys_here = std::min(ms, valid - m0);
+          if (quant && keys_here > 0)
+            quant_scores_keys(c.data(), keys_here, kscale.data() + m0, fold, score.data() + m0);
+          else if (keys_here > 0)
+            head_sum_keys(c.data(), keys_here, Hp, wpad.data(), score.data() + m0);
         }
         ahead.finish();                        // (what the slices' side work left)
-        if (quant)
-          quant_scores_keys(valid, kscale.data());
-        else
-          head_sum_keys(c.data(), valid, Hp, wpad.data(), score.data());
         top.add(score.data(), valid, j0);
         j0 += valid;
       }
