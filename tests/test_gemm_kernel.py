@@ -4,7 +4,8 @@ the GEMM paths an AVX512-BF16 CPU can take (the micro-kernel, oneDNN's avx512_co
 The disassembly check reads the compiled layer this process loaded: a loop of a ``dpbf16_tile`` that
 holds ``vdpbf16ps`` must store nothing (an accumulator array kept in memory shows up as one zmm store
 per accumulator and K step, which halves the rate on CPUs that retire a 512-bit store every other
-cycle, Zen 4 among them)."""
+cycle, Zen 4 among them) but its side work's own output (the FP8 decode's two zmm stores), and the
+tiles that run on AVX512-BF16 CPUs without VBMI hold no VBMI instruction."""
 import re
 import shutil
 import subprocess
