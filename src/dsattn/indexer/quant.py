@@ -136,8 +136,9 @@ def parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_sc
     q, q_scale = _check_query(query, query_dequant_scale, key, rank - 2)
     check_tensor("weights", weights)                # (its dtype and shape: parse_indexer's checks, by these names)
     device = query.device
-    for name, t in (("key", key), ("query_dequant_scale", query_dequant_scale),
-                    ("key_dequant_scale", key_dequant_scale)):
+    if key.device != device:
+        fail("key", f"is on {key.device} but query is on {device}; all tensors must be on one device")
+    for name, t in (("query_dequant_scale", query_dequant_scale), ("key_dequant_scale", key_dequant_scale)):
         if t is not None and t.device != device:
             fail(name, f"is on {t.device} but query is on {device}; all tensors must be on one device")
     D = query.size(-1)
