@@ -8,9 +8,9 @@ keys their dequantised values.  On a noisy machine single timings of the two dif
 do, so the two calls alternate, ``--rounds`` times 5 calls each, and the best round of each is kept.  Prints the
 milliseconds, the FP8 / bf16 time and the top-512 sets the two share.
 
-Two protocols, both in every run: **same keys** (every call reads one cache, which stays in the CPU's caches
-from call to call where it fits: the kernels' compute) and **a decode step** (each call reads the next of as
-many copies of the cache as a model has layers, copies of ``--layers-bytes`` MiB of bf16 keys in all, as a
+Two protocols over the same keys, both in every run: **resident** (every call reads one cache, which stays in
+the CPU's caches from call to call where it fits: the kernels' compute) and **a decode step** (each call reads the
+next of as many copies of the cache as a model has layers, copies of ``--layers-bytes`` MiB of bf16 keys in all, as a
 decode step reads each layer's indexer cache once with the other layers' data in between: the keys come from
 memory, where FP8 moves half the bytes).  The copies hold the same keys, so the results are the same.
 """
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
 
         a, b = bf16().view(B, topk), fp8().view(B, topk)
         shared = sum(len(set(a[i].tolist()) & set(b[i].tolist())) for i in range(B)) / (B * topk)
-        for protocol, n in (("same keys", 1), ("decode step", layers)):
+        for protocol, n in (("resident", 1), ("decode step", layers)):
             tb, tf = best_of_alternating(bf16, fp8, args.rounds, layers=n)
             print(f"| {B} | {ctx // 1024}K | {protocol} | {n} | {tb:.2f} | {tf:.2f} | {tf / tb:.2f} | {shared:.1%} |",
                   flush=True)
