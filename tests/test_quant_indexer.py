@@ -68,7 +68,8 @@ def test_fuzz_configurations(backend, seed):
 
 
 @pytest.mark.parametrize("layout,paged,page,scale_layout", [
-    ("BSND", True, 64, "block"), ("TND", True, 16, "separate"), ("BSND", False, 0, "row"), ("TND", False, 0, "separate")])
+    ("BSND", True, 64, "block"), ("TND", True, 16, "separate"), ("BSND", False, 0, "row"),
+    ("TND", False, 0, "separate")])
 @pytest.mark.parametrize("D", (64, 128))
 @pytest.mark.parametrize("ratio", (1, 4))
 def test_fp8_decode_rows_match_golden(layout, paged, page, scale_layout, D, ratio):
@@ -83,6 +84,13 @@ def test_fp8_decode_rows_match_golden(layout, paged, page, scale_layout, D, rati
     with _backend("compiled"):
         for query in ("float", "quant"):
             _check(cases.quant_indexer_case(base, FP8, scale_layout, query, block_pad=12))
+
+
+def test_indexer_case_sizes_come_in_pairs():
+    with pytest.raises(ValueError, match="lengths, query_rows: give both"):
+        cases.indexer_case("TND", 1, lengths=[40, 30])
+    with pytest.raises(ValueError, match="one entry per batch"):
+        cases.indexer_case("TND", 1, lengths=[40, 30], query_rows=[1])
 
 
 def test_integer_scores_exact():
@@ -292,7 +300,9 @@ def test_errors_name_the_argument():
          dict(query=case.q.to(FP8), query_dequant_scale=torch.ones(case.q.shape[:-2]))),
         (ValueError, "quant_mode: ", dict(quant_mode=1)),
         (ValueError, "topk: value 1099511627776", dict(topk=1 << 40)),
-        (ValueError, "weights: expected the shape", dict(weights=case.extra["w"][..., :-1])),
+        (ValueError, "weights: expected the shape of query", dict(weights=case.extra["w"][..., :-1])),
+        (TypeError, "weights: dtype torch.float16", dict(weights=case.extra["w"].half())),
+        (ValueError, "query: expected a 4-D tensor", dict(query=case.q[0])),
     ]
     for exc, match, over in bad:
         with pytest.raises(exc, match=match):

@@ -173,6 +173,9 @@ def indexer_case(layout: str = "BSND", ratio: int = 4, dtype=torch.float16, *, p
     together; ``page`` is the block size of a paged cache."""
     g = torch.Generator().manual_seed(seed)
     r = ratio
+    if (lengths is None) != (query_rows is None) or (lengths is not None and len(lengths) != len(query_rows)):
+        raise ValueError(f"lengths, query_rows: give both, one entry per batch, or neither; got {lengths} and "
+                         f"{query_rows}")
     if lengths is not None:
         Ls, S1s = list(lengths), list(query_rows)
     elif r == 128:

@@ -5,8 +5,8 @@ import torch
 
 from .._registry import register
 from . import dispatch, fast
-from .problem import (check_index_pair, check_lightning_attrs, check_offset, check_offset_results,
-                      parse_indexer)
+from .problem import (K_LAYOUTS, LIGHTNING_DEFAULTS, check_index_pair, check_lightning_attrs, check_offset,
+                      check_offset_results, parse_indexer)
 
 LIGHTNING_INDEXER_SCHEMA = (
     "lightning_indexer(Tensor q, Tensor k, Tensor w, int topk, *, "
@@ -26,22 +26,12 @@ KL_LOSS_GRAD_SCHEMA = (
     'str layout_q="TND", str layout_k="TND", int mask_mode=3, int cmp_ratio=1) '
     "-> (Tensor, Tensor, Tensor, Tensor)")
 
-_INDEXER_K_LAYOUTS = ("BSND", "TND", "PA_BBND")
-
-
 def _indexer_parse(q, k, w, topk, kw, content):
     check_lightning_attrs(topk, kw.pop("max_seqlen_q", -1), kw.get("return_value", 0))
     return_value = kw.pop("return_value", 0)
     offset = kw.pop("output_idx_offset", None)
-    P = parse_indexer(q, k, w, k_layouts=_INDEXER_K_LAYOUTS, content=content, **_indexer_defaults(kw))
+    P = parse_indexer(q, k, w, k_layouts=K_LAYOUTS, content=content, **{**LIGHTNING_DEFAULTS, **kw})
     return P, check_offset(offset, P, kw.get("layout_q", "BSND")), return_value
-
-
-def _indexer_defaults(kw):
-    base = dict(cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, cmp_residual_k=None,
-                block_table=None, metadata=None, layout_q="BSND", layout_k="BSND", mask_mode=0, cmp_ratio=1)
-    base.update(kw)
-    return base
 
 
 def run_indexer(P, like, topk: int, offset, return_value: int, select):

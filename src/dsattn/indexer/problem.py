@@ -44,6 +44,13 @@ class IndexerProblem:
         return max(1, min(self.rows.R, budget_bytes // per_row))
 
 
+# lightning_indexer's key layouts, and the defaults of its keyword arguments that parse_indexer takes (the
+# schema's; quant_lightning_indexer shares both)
+K_LAYOUTS = ("BSND", "TND", "PA_BBND")
+LIGHTNING_DEFAULTS = dict(cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, cmp_residual_k=None,
+                          block_table=None, metadata=None, layout_q="BSND", layout_k="BSND", mask_mode=0, cmp_ratio=1)
+
+
 def _leading(q, layout_q):
     return tuple(q.shape[:2] if layout_q == "BSND" else q.shape[:1])
 
@@ -70,8 +77,8 @@ def parse_indexer(q, k, w, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
                     ("seqused_k", seqused_k), ("cmp_residual_k", cmp_residual_k), ("block_table", block_table),
                     ("metadata", metadata)):
         check_int32(name, t)
-    check_same_device(**{q_name: q, "k": k, w_name: w}, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
-                      seqused_k=seqused_k, cmp_residual_k=cmp_residual_k, block_table=block_table)
+    check_same_device(**{q_name: q, "k": k, w_name: w}, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      seqused_q=seqused_q, seqused_k=seqused_k, cmp_residual_k=cmp_residual_k, block_table=block_table)
     rank = 4 if layout_q == "BSND" else 3
     if q.dim() != rank:
         fail(q_name, f"expected a {rank}-D tensor for layout {layout_q}, got shape {tuple(q.shape)}")

@@ -20,7 +20,7 @@ from ..common.memo import TensorMemo
 from ..quant.index_keys import KEY_DTYPES, SCALE_DTYPES, IndexKeyPool, check_key_dtype, index_key_pool
 from . import dispatch
 from .op import run_indexer
-from .problem import IndexerProblem, check_lightning_attrs, check_offset, parse_indexer
+from .problem import K_LAYOUTS, LIGHTNING_DEFAULTS, IndexerProblem, check_lightning_attrs, check_offset, parse_indexer
 
 QUANT_LIGHTNING_INDEXER_SCHEMA = (
     "quant_lightning_indexer(Tensor query, Tensor key, Tensor weights, Tensor? query_dequant_scale, "
@@ -32,7 +32,6 @@ QUANT_LIGHTNING_INDEXER_SCHEMA = (
 
 QUANT_MODES = (0,)             # per-token(-head) dequant scales, the operator's one mode
 FLOAT_QUERY = (torch.bfloat16, torch.float16, torch.float32)
-K_LAYOUTS = ("BSND", "TND", "PA_BBND")
 
 
 class QuantKeys(KVSource):
@@ -144,24 +143,22 @@ def parse_quant_indexer(query, key, weights, query_dequant_scale, key_dequant_sc
     D = query.size(-1)
     if key_dequant_scale is None:            # (scales in the key: its layout alone describes the pool)
         pool, keys = _POOLS.get(key, (layout_k, scale_layout, D, q.dtype),
-                                lambda: _with_stand_in(index_key_pool(key, None, layout_k, scale_layout, D), layout_k, q.dtype))
+                                lambda: _pool_and_stand_in(key, None, layout_k, scale_layout, D, q.dtype))
     else:
-        pool, keys = _with_stand_in(index_key_pool(key, key_dequant_scale, layout_k, scale_layout, D), layout_k, q.dtype)
+        pool, keys = _pool_and_stand_in(key, key_dequant_scale, layout_k, scale_layout, D, q.dtype)
     P = parse_indexer(q, keys, weights, k_layouts=K_LAYOUTS, content=content, problem_cls=QuantIndexerProblem,
-                      source_cls=QuantKeys, names=("query", "weights"), **{**_DEFAULTS, **kw})
+                      source_cls=QuantKeys, names=("query", "weights"), **{**LIGHTNING_DEFAULTS, **kw})
     P.k.pool, P.k.decode = pool, _decoded
     P.pool, P.q_scale = pool, None if q_scale is None else P.rows.flat(q_scale)
     return P, check_offset(offset, P, layout_q), return_value
 
 
-_DEFAULTS = dict(cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, cmp_residual_k=None,
-                 block_table=None, metadata=None, layout_q="BSND", layout_k="BSND", mask_mode=0, cmp_ratio=1)
-
-
-def _with_stand_in(pool: IndexKeyPool, layout_k: str, dtype: torch.dtype) -> tuple[IndexKeyPool, torch.Tensor]:
+def _pool_and_stand_in(key, key_dequant_scale, layout_k: str, scale_layout: str, D: int,
+                       dtype: torch.dtype) -> tuple[IndexKeyPool, torch.Tensor]:
     """The pool and a zero-stride tensor of its logical key shape in the query's dtype: what parse_indexer reads
     of the keys (their sizes).  Kept with the pool where it is memoised (a decode step passes the same pools)."""
-    logical = (pool.blocks, 1, pool.D) if layout_k == "TND" else (pool.blocks, pool.bs, 1, pool.D)
+    pool = index_key_pool(key, key_dequant_scale, layout_k, scale_layout, D)
+    logical = (pool.blocks, 1, D) if layout_k == "TND" else (pool.blocks, pool.bs, 1, D)
     return pool, torch.empty((), dtype=dtype, device=pool.values.device).expand(logical)
 
 

@@ -177,14 +177,14 @@ __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi
 // Rows [0, M) of one strip of NV column slices: whole 6-row tiles, then one tile of the rest.
 template <int NV, typename Side>
 void dpbf16_strip(int64_t M, int64_t K2, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C,
-                  int64_t ldc, bool add_C, __mmask16 tail, Side* pf) {
+                  int64_t ldc, bool add_C, __mmask16 tail, Side* side) {
   using Tile = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool, __mmask16,
                         Side*);
   static constexpr Tile tiles[7] = {nullptr,
                                     dpbf16_tile<1, NV, Side>, dpbf16_tile<2, NV, Side>, dpbf16_tile<3, NV, Side>,
                                     dpbf16_tile<4, NV, Side>, dpbf16_tile<5, NV, Side>, dpbf16_tile<6, NV, Side>};
   for (int64_t r0 = 0; r0 < M; r0 += 6)
-    tiles[std::min<int64_t>(6, M - r0)](K2, A + r0 * lda, lda, B, ldb, C + r0 * ldc, ldc, add_C, tail, pf);
+    tiles[std::min<int64_t>(6, M - r0)](K2, A + r0 * lda, lda, B, ldb, C + r0 * ldc, ldc, add_C, tail, side);
 }
 
 // Strips of 64 columns outside, blocks of K inside them, 6-row tiles innermost: a block of a strip of

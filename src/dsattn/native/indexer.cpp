@@ -656,8 +656,8 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
       for (int64_t h = 0; h < H; ++h) wq[h] = wp[t * H + h] * qs[h];
       qs_folds = all_non_negative(qs.data(), H);
     };
-    // a chunk's scores from its code products c: the scales folded where they may be (see above)
-    // (key-major: the code products cs [n, Hp] of n keys, their scales ks, into out; ``fold`` decided per chunk)
+    // the scores of n keys from their code products cs [n, Hp] (key-major) and scales ks, into out: the scales
+    // folded where they may be (see above; ``fold`` is decided once per chunk, as the shared path decides it)
     auto quant_scores_keys = [&](float* cs, int64_t n, const float* ks, bool fold, float* out) {
       if (fold) {
         head_sum_keys(cs, n, Hp, wq.data(), out);
