@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-vllm verify clean
+.PHONY: demo test test-caps test-vllm verify clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,9 +28,18 @@ $(VLLM_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/dsattn demo
 
+# the compiled kernels' tests, run again under each CPU class below this machine's own (DSATTN_CPU_ISA, with
+# oneDNN / MKL / ATen capped too): every class's code runs on every machine
+KERNEL_TESTS := tests/test_native_kernels.py tests/test_gemm_kernel.py tests/test_quant_indexer.py \
+	tests/test_sharedkv_compiled.py tests/test_cpu_isa.py
+
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m dsattn.native --below -- $(BIN)/python -m pytest -q -n 2 $(KERNEL_TESTS)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
+
+test-caps: $(STAMP)
+	$(BIN)/python -m dsattn.native --below -- $(BIN)/python -m pytest -q -n 2 $(KERNEL_TESTS)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin

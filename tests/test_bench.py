@@ -30,10 +30,27 @@ def test_bench_script_runs(tmp_path):
 
 
 def test_emulated_avx2_bench_runs_the_fp32_path():
-    """``--emulate-avx2`` re-runs the command in a fresh process limited to AVX2: its libraries' bf16
+    """``--emulate-avx2`` re-runs the command in a fresh process capped at AVX2: its libraries' bf16
     GEMM falls to an AVX2 machine's crawl and the compiled kernels take their fp32 GEMMs."""
+    from dsattn.native import isa
     proc = subprocess.run([sys.executable, "-m", "dsattn.cli", "bench", "--emulate-avx2", "--which"],
                           capture_output=True, text=True, timeout=600)
+    if isa.CLASSES.index(isa.cpu_class()) < isa.CLASSES.index("avx2"):
+        assert proc.returncode == 2 and "below 'avx2'" in proc.stderr
+        return
     assert proc.returncode == 0, proc.stderr
+    assert "CPU class: avx2 (capped by DSATTN_CPU_ISA" in proc.stdout or isa.cpu_class() == "avx2", proc.stdout
     if "CPU attention forward: compiled" in proc.stdout:
-        assert "bf16 widened to fp32 GEMMs (forced: DSATTN_NATIVE_GEMM=fp32)" in proc.stdout
+        assert "bf16 widened to fp32 GEMMs (CPU class avx2: no 16-bit products)" in proc.stdout
+
+
+def test_ceilings_leave_out_the_bf16_gemm_without_bf16_units(monkeypatch):
+    """Under a cap without bf16 units the bf16 GEMM is not timed (PyTorch's would be a scalar loop there),
+    and the table says so instead of a ratio."""
+    from dsattn.benchmarks.harness import measure_ceilings
+    monkeypatch.setenv("DSATTN_CPU_ISA", "generic")
+    said = []
+    ceil = measure_ceilings(256, progress=said.append)
+    assert ceil.bf16_gflops is None and ceil.fp32_gflops > 0 and ceil.cpu_class == "generic"
+    assert said == ["ceilings: float32 GEMM 256 x 256"]
+    assert "bf16 GEMM not timed" in runner.markdown(ceil, [], "dsattn bench") and "no bf16 units" in ceil.describe()

@@ -5,7 +5,11 @@
 * the hyper-parallel ``npu_*`` interface (``dsattn.hyper_parallel``), re-exported here;
 * ``dsattn.testing`` — the comparison rules; ``dsattn.serving`` — serving helpers.
 """
-from . import ops, quant
+from .native.isa import cap_onednn as _cap_onednn
+
+_cap_onednn()                 # (DSATTN_CPU_ISA caps oneDNN too, where the process has not run it yet)
+
+from . import ops, quant  # noqa: E402
 from .common.checks import set_content_checks
 from .common.softmax import set_flash_attention
 from .hyper_parallel import (SparseFlashMlaFunction, npu_lightning_indexer, npu_quant_lightning_indexer,

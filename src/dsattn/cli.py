@@ -208,25 +208,20 @@ def _plan_table(args) -> int:
     return 0
 
 
-# An AVX2-only machine's libraries and paths on this one: oneDNN, MKL and ATen's kernels limited to
-# AVX2 (PyTorch's bf16 matmul falls to ~1 GFLOP/s, as there), the compiled kernels' fp32 GEMMs.
-# Our own elementwise loops keep the clones this CPU runs (GCC's target_clones pick at load time).
-AVX2_EMULATION = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
-                  "DSATTN_NATIVE_GEMM": "fp32"}
-# An AVX512-BF16 machine without AMX (Zen 4 / Zen 5 EPYC) on an AMX one: oneDNN limited to
-# AVX512_CORE_BF16 (its ukernel then packs nothing, as there, and PyTorch's bf16 matmul, the ceiling,
-# runs on vdpbf16ps), MKL without AMX; the compiled kernels take their vdpbf16ps micro-kernel.
-AVX512BF16_EMULATION = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
-                        "DSATTN_NATIVE_GEMM": "avx512bf16"}
+# ``--emulate-<class>``: a smaller machine's code on this one, in a fresh process: dsattn's compiled layer
+# capped at that class (DSATTN_CPU_ISA: GEMM path, decoders, vector loops) and oneDNN, MKL and ATen's
+# kernels limited to it (on AVX2, PyTorch's bf16 matmul falls to ~1 GFLOP/s, as there).
+EMULATE_FLAGS = {"emulate_avx2": "avx2", "emulate_avx512": "avx512", "emulate_avx512bf16": "avx512_bf16"}
 
 
-def _bench_emulated(args, name: str, emulation: dict) -> int:
-    """``--emulate-*``: the same command in a fresh interpreter (the libraries read these variables
-    once, when they start) with the emulation's variables set."""
+def _bench_emulated(args, cls: str) -> int:
+    """The same command in a fresh interpreter (the libraries read these variables once, when they start)
+    with the class's variables set."""
     import os
     import subprocess
-    flag = "--emulate-" + name.lower().replace("-", "")
-    env = dict(os.environ, **emulation, DSATTN_BENCH_EMULATION=f"{name} ({flag}: "
+    from .native import isa
+    emulation = isa.environment(cls)
+    env = dict(os.environ, **emulation, DSATTN_BENCH_EMULATION=f"{cls} (--emulate-{cls.replace('_', '')}: "
                + ", ".join(f"{k}={v}" for k, v in emulation.items()) + ")")
     code = "import sys; from dsattn.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *args.argv], env=env).returncode
@@ -234,13 +229,19 @@ def _bench_emulated(args, name: str, emulation: dict) -> int:
 
 def _bench(args) -> int:
     import os
-    if args.emulate_avx2 and args.emulate_avx512bf16:
-        print("dsattn bench: error: --emulate-avx2 and --emulate-avx512bf16 exclude each other", file=sys.stderr)
+    asked = [flag for flag in EMULATE_FLAGS if getattr(args, flag)]
+    if len(asked) > 1:
+        names = " and ".join("--" + f.replace("_", "-") for f in asked)
+        print(f"dsattn bench: error: {names} exclude each other", file=sys.stderr)
         return 2
-    if args.emulate_avx2 and "DSATTN_BENCH_EMULATION" not in os.environ:
-        return _bench_emulated(args, "AVX2", AVX2_EMULATION)
-    if args.emulate_avx512bf16 and "DSATTN_BENCH_EMULATION" not in os.environ:
-        return _bench_emulated(args, "AVX512-BF16", AVX512BF16_EMULATION)
+    if asked and "DSATTN_BENCH_EMULATION" not in os.environ:
+        from .native import isa
+        cls = EMULATE_FLAGS[asked[0]]
+        if isa.CLASSES.index(cls) > isa.CLASSES.index(isa.cpu_class()):
+            print(f"dsattn bench: error: --{asked[0].replace('_', '-')}: this CPU's class is {isa.cpu_class()!r}, "
+                  f"below {cls!r}", file=sys.stderr)
+            return 2
+        return _bench_emulated(args, cls)
     if args.which:
         from .which import describe
         print(describe())
@@ -334,7 +335,11 @@ def main(argv=None) -> int:
     bn.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
     bn.add_argument("--emulate-avx2", action="store_true",
                     help="run as an AVX2-only machine would: oneDNN / MKL / ATen limited to AVX2 and the compiled "
-                         "kernels' fp32 GEMM path, in a fresh process (its ceilings measured there too)")
+                         "layer capped there (DSATTN_CPU_ISA=avx2: fp32 GEMMs, AVX2 loops), in a fresh process "
+                         "(its ceilings measured there too)")
+    bn.add_argument("--emulate-avx512", action="store_true",
+                    help="run as an AVX-512 CPU without BF16 would (Skylake-SP .. Ice Lake): the same, capped at "
+                         "avx512")
     bn.add_argument("--emulate-avx512bf16", action="store_true",
                     help="run as an AVX512-BF16 CPU without AMX would (Zen 4 / 5 EPYC): oneDNN limited to "
                          "AVX512_CORE_BF16, the compiled kernels' vdpbf16ps micro-kernel, in a fresh process")

@@ -12,7 +12,9 @@ from .backend import requested, triton_available
 def describe() -> str:
     """The implementation each piece takes on this machine, one line each."""
     from . import native
-    lines = [f"DSATTN_BACKEND={requested()}: "
+    from .native import isa
+    lines = [isa.describe() + f" ({isa.VARIABLE} caps it: {', '.join(isa.CLASSES)})",
+             f"DSATTN_BACKEND={requested()}: "
              + ("CUDA tensors run the Triton kernels" if requested() != "torch" and triton_available()
                 else "every device runs the vectorised PyTorch path")
              + (f" (this machine: {torch.cuda.get_device_name()})" if torch.cuda.is_available() else
@@ -103,7 +105,8 @@ def _cpu_attention(module) -> str:
            "avx512bf16": "bf16 products, fp32 sums (AVX512-BF16: dsattn's register-tiled vdpbf16ps micro-kernel)"
                          + forced,
            "onednn": "bf16 products, fp32 sums (AVX512-BF16: oneDNN's avx512_core_bf16 ukernel)" + forced,
-           "fp32": "widened to fp32 GEMMs" + (forced if requested == "fp32" else "")}.get
+           "fp32": "widened to fp32 GEMMs" + (forced if requested == "fp32" else
+                                              f" (CPU class {module.cpu_isa()}: no 16-bit products)")}.get
     return (f"compiled (dsattn/native/attention.cpp): bf16 {how(gemm['bfloat16'])}{_bf16_choice(module)}; "
             f"fp16 {how(gemm['float16'])}; "
             "fp32 GEMMs for fp32; packed int8 / fp8 caches (dsattn's rows, FlashMLA's V3.2 / V4 layouts) decoded "

@@ -17,10 +17,15 @@ SCEN = {1: "SWA", 4: "CSA", 128: "HCA"}
 # a decode call takes milliseconds, and its first calls after the inputs are built run slower (caches, the
 # ukernel's first use): the median of 20 calls, not 3 (median of 3: 4.7-5.8 ms where 50 calls gave 4.05)
 DECODE_CALLS = 20
-# Under ``dsattn bench --emulate-avx2`` the golden's rows and the flash opt-in's are left out: they compute
-# in the query dtype, and bf16 matmuls limited to AVX2 run at ~1 GFLOP/s (an 8K prefill's golden alone would
-# take hours; no AVX2 user would opt in to half-precision GEMMs).
-EMULATED = os.environ.get("DSATTN_BENCH_EMULATION", "").startswith("AVX2")
+
+
+def bf16_gemm_rows() -> bool:
+    """Whether the rows that run bf16 GEMMs in PyTorch (the golden's, the flash opt-in's) are timed: only
+    where the CPU class (:mod:`dsattn.native.isa`, capped or not) has bf16 units.  Without them PyTorch's bf16
+    matmul runs at ~1 GFLOP/s (an 8K prefill's golden alone would take hours; no such user would opt in to
+    half-precision GEMMs)."""
+    from ..native import isa
+    return isa.bf16_units()
 
 
 def _fwd(q, kw):
@@ -38,7 +43,7 @@ def _both_paths(family, name, q, kw, flops, repeat, results, nbytes: float = 0.0
         with native.suspended():
             t = timeit(lambda: _fwd(q, kw), repeat=repeat)
         results.append(Result(family, name, "PyTorch path (DSATTN_NATIVE=0)", t, flops / 1e9, bytes=nbytes))
-    if EMULATED:
+    if not bf16_gemm_rows():
         return default
     set_flash_attention(True)
     try:
@@ -118,7 +123,7 @@ def read_floor_note(kw, rows: int, flops: float, ceil) -> str:
     cache = kw["cmp_kv"]
     t_read = random_row_read_seconds(cache, rows)
     mb = rows * cache.size(-1) * cache.element_size() / 1e6
-    t_gemm = flops / (max(ceil.bf16_gflops, ceil.fp32_gflops) * 1e9)
+    t_gemm = flops / (ceil.best_gflops * 1e9)
     return (f"reads {mb:.0f} MB of random top-k key rows: index_select alone {t_read * 1e3:.2f} ms "
             f"({mb / 1e3 / t_read:.1f} GB/s); the GEMMs at the best ceiling {t_gemm * 1e3:.2f} ms; so at most "
             f"{100 * min(1.0, t_gemm / t_read):.0f} % of the ceiling even with every read hidden behind a GEMM")
@@ -271,11 +276,11 @@ def run(smoke: bool = False, results=None) -> list[Result]:
                 default.note = read_floor_note(kw, q.size(0) * topk, flops, ceil)
             _each_bf16_path(fam, name, q, kw, flops, DECODE_CALLS, results, workloads.decode_bytes(q, kw), default,
                         onednn_rate)
-            if not EMULATED:
+            if bf16_gemm_rows():
                 g = _golden_decode(q, kw)
                 results.append(Result(fam, name, "golden", g, flops / 1e9, note="32 requests, timed on 4, scaled"))
     # dense-masked and careful dense vs ours at 64K
-    fast = torch.bfloat16 if ceil.bf16_gflops > ceil.fp32_gflops else torch.float32
+    fast = torch.bfloat16 if (ceil.bf16_gflops or 0.0) > ceil.fp32_gflops else torch.float32
     for ratio in (4, 128):
         q, kw, flops, S2o = workloads.decode(ratio=ratio, fixed=65536, seed=2)
         name = f"decode {SCEN[ratio]} V4-Flash B32 @64K"
@@ -296,7 +301,7 @@ def run(smoke: bool = False, results=None) -> list[Result]:
         default = _both_paths(fam, name, q, kw, flops, 1, results)
         default.note = fresh_output_note(q)
         _each_bf16_path(fam, name, q, kw, flops, 1, results, 0.0, default, onednn_rate)
-        if not EMULATED:
+        if bf16_gemm_rows():
             g = golden_per_row(q, kw) * 8192
             results.append(Result(fam, name, "golden", g, flops / 1e9, note="timed on 16 rows, scaled to 8192"))
         del q, kw

@@ -33,7 +33,7 @@ class Result:
         GEMM rate, bytes / the run's copy bandwidth)``, over the measured time; None without a byte count."""
         if not self.bytes or not self.seconds == self.seconds or self.seconds <= 0:
             return None
-        compute = self.gflop / max(ceil.bf16_gflops, ceil.fp32_gflops)
+        compute = self.gflop / ceil.best_gflops
         memory = self.bytes / 1e9 / ceil.copy_gbs
         return max(compute, memory) / self.seconds, ("memory" if memory >= compute else "compute")
 
@@ -55,10 +55,20 @@ def timeit(fn, *, repeat: int = 3, warmup: int = 1, budget_s: float = 60.0) -> f
 
 @dataclass
 class Ceilings:
-    bf16_gflops: float
+    bf16_gflops: float | None      # None: the CPU (or its DSATTN_CPU_ISA cap) has no bf16 units, not timed
     fp32_gflops: float
     copy_gbs: float
     threads: int
+    cpu_class: str = ""
+
+    @property
+    def best_gflops(self) -> float:
+        return max(self.bf16_gflops or 0.0, self.fp32_gflops)
+
+    def describe(self) -> str:
+        bf16 = (f"bf16 GEMM {self.bf16_gflops:.0f} GFLOP/s" if self.bf16_gflops else
+                "bf16 GEMM not timed (no bf16 units in this class: every GEMM runs in fp32)")
+        return f"CPU class {self.cpu_class}: {bf16}, fp32 GEMM {self.fp32_gflops:.0f} GFLOP/s, copy {self.copy_gbs:.1f} GB/s"
 
 
 def _seconds(fn) -> float:
@@ -67,12 +77,18 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t
 
 
-def measure_ceilings(n: int = 2048) -> Ceilings:
+def measure_ceilings(n: int = 2048, progress=None) -> Ceilings:
     """Large-GEMM GFLOP/s in bf16 and fp32 and memory copy GB/s, measured now, in this process.  The
     GEMM rates are the best of ten calls (a ceiling is the best the machine does; on a shared machine
-    the median of a few calls can fall far below it, which would flatter every ratio to it)."""
-    out = {}
-    for dt in (torch.bfloat16, torch.float32):
+    the median of a few calls can fall far below it, which would flatter every ratio to it).  Where the
+    CPU class (:mod:`dsattn.native.isa`, capped or not) has no bf16 units the bf16 GEMM is not timed:
+    PyTorch's bf16 matmul is a scalar loop there (1.4 GFLOP/s on a Zen 2 core: minutes for this size) and
+    no dsattn path runs one."""
+    from ..native import isa
+    out = {torch.bfloat16: None}
+    for dt in ((torch.bfloat16, torch.float32) if isa.bf16_units() else (torch.float32,)):
+        if progress:
+            progress(f"ceilings: {str(dt).split('.')[-1]} GEMM {n} x {n}")
         a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
         a @ b
         best = min(_seconds(lambda: a @ b) for _ in range(10))
@@ -80,7 +96,7 @@ def measure_ceilings(n: int = 2048) -> Ceilings:
     src = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
     copy = 2 * src.numel() / timeit(lambda: dst.copy_(src), repeat=5) / 1e9   # read + write
-    return Ceilings(out[torch.bfloat16], out[torch.float32], copy, torch.get_num_threads())
+    return Ceilings(out[torch.bfloat16], out[torch.float32], copy, torch.get_num_threads(), isa.cpu_isa())
 
 
 # glibc keeps freed memory in its heap instead of returning it (large blocks otherwise come from mmap and

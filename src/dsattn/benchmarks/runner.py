@@ -19,14 +19,28 @@ BASE_VARIANTS = (BASE, "dsattn", "dsattn fwd + grad", "dsattn (default): compile
                  "dsattn (default): NumPy fast planner")
 
 
+class _Progress(list):
+    """The results list, saying each row as it arrives (a full family runs for many minutes)."""
+
+    def __init__(self, say):
+        super().__init__()
+        self.say, self.family = say, ""
+
+    def append(self, r: Result) -> None:
+        super().append(r)
+        if self.say:
+            self.say(f"{self.family}: {len(self)} rows; last: {r.workload} / {r.variant} {_seconds(r.seconds)} s")
+
+
 def run(families=None, smoke=False, progress=None):
-    ceil = measure_ceilings(1024 if smoke else 2048)
-    results: list[Result] = []
+    ceil = measure_ceilings(1024 if smoke else 2048, progress=progress)
+    results = _Progress(progress)
     for name in families or list(FAMILIES):
+        results.family = name
         if progress:
-            progress(name)
+            progress(f"{name}: starting")
         FAMILIES[name](smoke=smoke, results=results)
-    return ceil, results
+    return ceil, list(results)
 
 
 def _speedups(results):
@@ -51,9 +65,10 @@ def rows(ceil, results):
     for r in results:
         g = r.gflops
         yield [r.family, r.workload, r.variant, _seconds(r.seconds),
-               f"{g:.1f}" if g else "-", f"{100 * g / ceil.bf16_gflops:.0f} %" if g else "-",
+               f"{g:.1f}" if g else "-",
+               f"{100 * g / ceil.bf16_gflops:.0f} %" if g and ceil.bf16_gflops else "-",
                f"{100 * g / ceil.fp32_gflops:.0f} %" if g else "-",
-               f"{100 * g / max(ceil.bf16_gflops, ceil.fp32_gflops):.0f} %" if g else "-",
+               f"{100 * g / ceil.best_gflops:.0f} %" if g else "-",
                _roofline_cell(r, ceil),
                f"{sp[id(r)]:.1f}x" if sp[id(r)] else "", f"{r.peak_mb:.0f}" if r.peak_mb is not None else "",
                r.note + ("; " + ", ".join(f"{k}={v}" for k, v in r.extra.items()) if r.extra else "")]
@@ -72,17 +87,24 @@ def markdown(ceil, results, command: str) -> str:
     lines = [f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
              f"Command: `{command}`", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-             f"{torch.__version__}, {ceil.threads} threads. Ceilings measured in this run: bf16 GEMM "
-             f"**{ceil.bf16_gflops:.0f} GFLOP/s**, fp32 GEMM **{ceil.fp32_gflops:.0f} GFLOP/s**, copy "
-             f"**{ceil.copy_gbs:.1f} GB/s**." + _emulation_note(), "",
+             f"{torch.__version__}, {ceil.threads} threads. Ceilings measured in this run: "
+             f"{_ceilings_md(ceil)}." + _emulation_note(), "",
              "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows(ceil, results)]
     return "\n".join(lines) + "\n\n"
 
 
+def _ceilings_md(ceil) -> str:
+    bf16 = (f"bf16 GEMM **{ceil.bf16_gflops:.0f} GFLOP/s**" if ceil.bf16_gflops else
+            f"bf16 GEMM not timed (CPU class {ceil.cpu_class}: no bf16 units, every GEMM runs in fp32; the "
+            "bf16 columns are empty)")
+    return f"{bf16}, fp32 GEMM **{ceil.fp32_gflops:.0f} GFLOP/s**, copy **{ceil.copy_gbs:.1f} GB/s**"
+
+
 def _emulation_note() -> str:
     how = os.environ.get("DSATTN_BENCH_EMULATION")
-    return f" Emulating {how}: that machine class's libraries, GEMM path and ceilings." if how else ""
+    return (f" Emulating {how}: that machine class's libraries, GEMM path and ceilings (the code that class runs, "
+            "not its speed: this CPU's caches, ports and clocks)." if how else "")
 
 
 def record(text: str, path: Path) -> None:
@@ -107,8 +129,7 @@ def main(families=None, smoke=False, record_results=True, argv=None) -> int:
         ceil, results = run(families, smoke, progress=lambda n: status.update(f"benchmark family: {n}"))
     how = os.environ.get("DSATTN_BENCH_EMULATION", "")
     emulated = f" ({how.split(' ')[0]} emulated)" if how else ""
-    table = Table(title=f"dsattn bench{' (smoke)' if smoke else ''}{emulated}: bf16 peak {ceil.bf16_gflops:.0f}, fp32 peak "
-                        f"{ceil.fp32_gflops:.0f} GFLOP/s, copy {ceil.copy_gbs:.1f} GB/s")
+    table = Table(title=f"dsattn bench{' (smoke)' if smoke else ''}{emulated}: {ceil.describe()}")
     for h in HEADER:
         table.add_column(h)
     for row in rows(ceil, results):

@@ -18,6 +18,8 @@ oneDNN's avx512_core_bf16 ukernel where a timing of both on the attention's shap
 faster), else on fp32 operands (AVX2, AVX-512F), decided once per process.
 ``DSATTN_NATIVE_GEMM=fp32``, ``=avx512bf16`` or ``=onednn`` (or :func:`gemm_path` for a block) forces
 a path on any CPU that has it: the paths other machines take, tested and timed on one that has more.
+``DSATTN_CPU_ISA`` (:mod:`dsattn.native.isa`) caps the whole layer at a smaller CPU class: its GEMM path,
+decoders, head sums and vector loops all run as that class's would.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import os
 import warnings
 
 _SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp", "matmul.cpp", "sharedkv.cpp", "flashmla.cpp", "kv_quant.cpp")
-_HEADERS = ("attention.h", "common.h", "fp8.h", "gemm.h", "keys.h")
+_HEADERS = ("attention.h", "common.h", "fp8.h", "gemm.h", "isa.h", "keys.h")
 _state: dict = {}
 
 
@@ -103,8 +105,10 @@ def load():
         return None
     if "module" in _state:
         return _state["module"]
+    from . import isa
     from .build import build_and_load
     gemm = gemm_requested()                          # (a bad value is the caller's error, not a build failure)
+    isa.requested()                                  # (likewise DSATTN_CPU_ISA's)
     try:
         module, _ = build_and_load("dsattn_native", _paths(_SOURCES), _paths(_HEADERS), _CFLAGS, _LDFLAGS,
                                    announce="dsattn: building the compiled kernel layer (once per version of "
@@ -144,4 +148,6 @@ def status() -> str:
     module = load()
     if module is None:
         return f"native: unavailable ({_state.get('error')}): PyTorch / NumPy paths"
-    return "native: loaded (C++ planner, CPU attention forward and backward, CPU indexer, CPU compressor pooling)"
+    return ("native: loaded (C++ planner, CPU attention forward and backward, CPU indexer, CPU compressor pooling); "
+            f"running as CPU class {module.cpu_isa()}" + (f" (capped; the CPU's own: {module.cpu_isa_own()})"
+                                                          if module.cpu_isa() != module.cpu_isa_own() else ""))

@@ -42,7 +42,6 @@ namespace {
 
 using dsattn_native::gemm;
 using dsattn_native::gemm_release;
-using at::native::cpublas::could_pack;
 
 constexpr int64_t KEY_ALIGN = 64;  // the key count is padded to a multiple of this
 constexpr int64_t RING = 128;      // keys per chunk of the forward's gather + S^T (a multiple of KEY_ALIGN)
@@ -53,9 +52,7 @@ using dsattn_native::round_up;
 
 // exp(x) for x <= 0 (a score minus its row maximum), NaN propagated; Cephes' single-precision
 // range reduction and polynomial (about 1 ulp, like torch.exp).  Written so that the loops below
-// vectorise (no calls, no branches), compiled per ISA by target_clones.  The AVX-512 clones
-// target x86-64-v4 (F + BW + VL), not bare AVX-512F: loops that mix fp32 lanes with 16-bit
-// stores (bf16 bits) need BW's 16-bit vector moves, or GCC leaves them scalar.
+// vectorise (no calls, no branches), compiled per ISA class by DSATTN_PER_ISA (isa.h).
 inline float exp_nonpositive(float x) {
   const float lo = -87.33654f;                 // below: exp(x) < FLT_MIN, returned as 0
   const float xc = x < lo ? lo : x;
@@ -79,8 +76,7 @@ inline float exp_nonpositive(float x) {
 }
 
 // s[j, h] *= scale and m[h] = max(m[h], s[j, h]) over rows j < n (NaN propagates into m).
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void scale_and_max(float* __restrict__ s, int64_t n, int64_t Hp, float scale, float* __restrict__ m) {
+DSATTN_VECTOR_BODY void scale_and_max_body(float* __restrict__ s, int64_t n, int64_t Hp, float scale, float* __restrict__ m) {
   for (int64_t j = 0; j < n; ++j) {
     float* __restrict__ row = s + j * Hp;
     for (int64_t h = 0; h < Hp; ++h) {
@@ -90,10 +86,10 @@ void scale_and_max(float* __restrict__ s, int64_t n, int64_t Hp, float scale, fl
     }
   }
 }
+DSATTN_PER_ISA(scale_and_max, (float* __restrict__ s, int64_t n, int64_t Hp, float scale, float* __restrict__ m), (s, n, Hp, scale, m))
 
 // s[j, h] = exp(s[j, h] - m[h]) and l[h] += s[j, h] over rows j < n.
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void exp_and_sum(float* __restrict__ s, int64_t n, int64_t Hp, const float* __restrict__ m, float* __restrict__ l) {
+DSATTN_VECTOR_BODY void exp_and_sum_body(float* __restrict__ s, int64_t n, int64_t Hp, const float* __restrict__ m, float* __restrict__ l) {
   for (int64_t j = 0; j < n; ++j) {
     float* __restrict__ row = s + j * Hp;
     for (int64_t h = 0; h < Hp; ++h) {
@@ -103,6 +99,7 @@ void exp_and_sum(float* __restrict__ s, int64_t n, int64_t Hp, const float* __re
     }
   }
 }
+DSATTN_PER_ISA(exp_and_sum, (float* __restrict__ s, int64_t n, int64_t Hp, const float* __restrict__ m, float* __restrict__ l), (s, n, Hp, m, l))
 
 inline uint16_t bf16_bits(float x) {              // round to nearest even, as c10::BFloat16
   const uint32_t u = __builtin_bit_cast(uint32_t, x);
@@ -113,20 +110,19 @@ inline uint16_t bf16_bits(float x) {              // round to nearest even, as c
 inline float bf16_float(uint16_t bits) { return __builtin_bit_cast(float, uint32_t(bits) << 16); }   // exact
 
 // m[h] = max(m[h], s[j, h]) over rows j < n (NaN propagates into m); s is only read.
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void column_max(const float* __restrict__ s, int64_t n, int64_t Hp, float* __restrict__ m) {
+DSATTN_VECTOR_BODY void column_max_body(const float* __restrict__ s, int64_t n, int64_t Hp, float* __restrict__ m) {
   for (int64_t j = 0; j < n; ++j) {
     const float* __restrict__ row = s + j * Hp;
     for (int64_t h = 0; h < Hp; ++h) m[h] = (row[h] > m[h] || row[h] != row[h]) ? row[h] : m[h];
   }
 }
+DSATTN_PER_ISA(column_max, (const float* __restrict__ s, int64_t n, int64_t Hp, float* __restrict__ m), (s, n, Hp, m))
 
 // The softmax's numerators for bf16 queries in one pass over S^T [n, Hp] (raw scores, not yet
 // scaled): e = exp(scale s - m[h]) (the scaled score rounded to fp32 first, as the golden forms
 // S), l[h] += e in key order, and P [Hp, npad] = bf16(e) written key-major through a 16 x 16 tile
 // in L1 (each P row then gets 16 keys per store); P = 0 for the padded keys j >= n.
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void softmax_numerators_bf16(const float* __restrict__ s, int64_t n, int64_t npad, int64_t Hp, float scale,
+DSATTN_VECTOR_BODY void softmax_numerators_bf16_body(const float* __restrict__ s, int64_t n, int64_t npad, int64_t Hp, float scale,
                              const float* __restrict__ m, float* __restrict__ l, uint16_t* __restrict__ p) {
   constexpr int64_t T = 16;
   alignas(64) float e[T * T], tile[T * T];
@@ -151,11 +147,11 @@ void softmax_numerators_bf16(const float* __restrict__ s, int64_t n, int64_t npa
     }
   for (int64_t h = 0; h < Hp; ++h) std::fill(p + h * npad + n, p + (h + 1) * npad, uint16_t(0));
 }
+DSATTN_PER_ISA(softmax_numerators_bf16, (const float* __restrict__ s, int64_t n, int64_t npad, int64_t Hp, float scale, const float* __restrict__ m, float* __restrict__ l, uint16_t* __restrict__ p), (s, n, npad, Hp, scale, m, l, p))
 
 // [Hp, npad] from e = [n, Hp]: p[h, j] = bf16(e[j, h]), 0 for the padded keys j >= n (the backward's dS^T).
 // Transposed 16 x 16 at a time through a tile in L1 (each P row then gets 16 keys per store).
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void p_from_scores_bf16(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, uint16_t* __restrict__ p) {
+DSATTN_VECTOR_BODY void p_from_scores_bf16_body(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, uint16_t* __restrict__ p) {
   constexpr int64_t T = 16;
   alignas(64) float tile[T * T];
   const int64_t n16 = n / T * T;
@@ -170,10 +166,10 @@ void p_from_scores_bf16(const float* __restrict__ e, int64_t n, int64_t npad, in
     std::fill(p + h * npad + n, p + (h + 1) * npad, uint16_t(0));
   }
 }
+DSATTN_PER_ISA(p_from_scores_bf16, (const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, uint16_t* __restrict__ p), (e, n, npad, Hp, p))
 
 // The same in fp32 (the fp32 GEMM path); round_bf16: P rounded to bf16 first (bf16 queries).
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void p_from_scores_f32(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, float* __restrict__ p,
+DSATTN_VECTOR_BODY void p_from_scores_f32_body(const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, float* __restrict__ p,
                        bool round_bf16) {
   dsattn_native::transpose32(e, Hp, n, Hp, p, npad);
   for (int64_t h = 0; h < Hp; ++h) {
@@ -183,13 +179,13 @@ void p_from_scores_f32(const float* __restrict__ e, int64_t n, int64_t npad, int
     std::fill(row + n, row + npad, 0.0f);
   }
 }
+DSATTN_PER_ISA(p_from_scores_f32, (const float* __restrict__ e, int64_t n, int64_t npad, int64_t Hp, float* __restrict__ p, bool round_bf16), (e, n, npad, Hp, p, round_bf16))
 
 // The ukernel's packed B layout for 16-bit operands is [K/2][w][2] per panel of w columns (what
 // cpublas::pack writes; the tests compare): key rows 2i and 2i+1 interleaved element by element.
 // This writes pair i of rows (a, b) into every ``panel``-column panel of V [npad, Dp] (panel d0
 // starts at d0 * npad; dsattn_native::wide_panel says how wide).
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void pack_pair(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, int64_t Dp, int64_t npad, int64_t i,
+DSATTN_VECTOR_BODY void pack_pair_body(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, int64_t Dp, int64_t npad, int64_t i,
                uint16_t* __restrict__ v, int64_t panel) {
   for (int64_t d0 = 0; d0 < Dp; d0 += panel) {
     const int64_t w = std::min(panel, Dp - d0);
@@ -200,6 +196,7 @@ void pack_pair(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, i
     }
   }
 }
+DSATTN_PER_ISA(pack_pair, (const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, int64_t Dp, int64_t npad, int64_t i, uint16_t* __restrict__ v, int64_t panel), (a, b, Dp, npad, i, v, panel))
 
 // A whole row-major [K, N] 16-bit matrix (K even) in the same layout, pair of rows by pair.
 void pack_matrix(const uint16_t* rows, int64_t K, int64_t N, uint16_t* out, int64_t panel) {
@@ -281,15 +278,15 @@ void dequant_tile_fp8_bf16_avx512(const uint8_t* __restrict__ x, int64_t n, floa
   for (; d < n; ++d) out[d] = bf16_bits(fp8_e4m3fn_float(x[d]) * scale);
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void dequant_tile_int8(const int8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
+DSATTN_VECTOR_BODY void dequant_tile_int8_body(const int8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
   for (int64_t d = 0; d < n; ++d) out[d] = static_cast<float>(x[d]) * scale;
 }
+DSATTN_PER_ISA(dequant_tile_int8, (const int8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out), (x, n, scale, out))
 
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void round_to_bf16(const float* __restrict__ x, int64_t n, uint16_t* __restrict__ out) {
+DSATTN_VECTOR_BODY void round_to_bf16_body(const float* __restrict__ x, int64_t n, uint16_t* __restrict__ out) {
   for (int64_t d = 0; d < n; ++d) out[d] = bf16_bits(x[d]);
 }
+DSATTN_PER_ISA(round_to_bf16, (const float* __restrict__ x, int64_t n, uint16_t* __restrict__ out), (x, n, out))
 
 inline float tile_scale(const KeyRef& k, int64_t t) {
   if (k.fmt->ue8m0) {
@@ -320,8 +317,7 @@ bool fp8_codes_match() {
   uint8_t codes[256];
   for (int c = 0; c < 256; ++c) codes[c] = static_cast<uint8_t>(c);
   std::vector<DequantFp8> versions{dequant_tile_fp8_scalar};
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2")) versions.push_back(dequant_tile_fp8_avx2);
+  if (dsattn_native::isa_has(dsattn_native::ISA_AVX2)) versions.push_back(dequant_tile_fp8_avx2);
   if (cpu_has_avx512bw()) versions.push_back(dequant_tile_fp8_avx512);
   for (const DequantFp8 version : versions) {
     float got[256];
@@ -351,19 +347,19 @@ bool fp8_codes_match() {
 }
 
 // out[h, :] = o[h, :D] * inv[h], rounded to bf16 / kept in fp32.
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void normalize_bf16(const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D,
+DSATTN_VECTOR_BODY void normalize_bf16_body(const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D,
                     uint16_t* __restrict__ out) {
   for (int64_t h = 0; h < H; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = bf16_bits(o[h * ldo + d] * inv[h]);
 }
+DSATTN_PER_ISA(normalize_bf16, (const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D, uint16_t* __restrict__ out), (o, ldo, inv, H, D, out))
 
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void normalize_f32(const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D,
+DSATTN_VECTOR_BODY void normalize_f32_body(const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D,
                    float* __restrict__ out) {
   for (int64_t h = 0; h < H; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = o[h * ldo + d] * inv[h];
 }
+DSATTN_PER_ISA(normalize_f32, (const float* __restrict__ o, int64_t ldo, const float* __restrict__ inv, int64_t H, int64_t D, float* __restrict__ out), (o, ldo, inv, H, D, out))
 
 // The work of one query row.  scalar_t: the query / cache dtype; mm_t: the GEMM operand type (the
 // query dtype where the CPU multiplies it natively, packed; else fp32).
@@ -754,8 +750,7 @@ void forward_rows(const at::Tensor& q, const std::vector<at::Tensor>& sources, c
 // The element-wise part of the gradient for bf16 operands, rows j < n of S^T / dP^T [n, Hp]:
 // P = exp(scale S - lse) (lse +inf on padded heads: P = 0), dS = bf16(P (dP - Dsum)), round(P),
 // sink_dot[h] += P dP, psum[j] = sum_h P (the head mean's numerator).
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void gradient_terms_bf16(const float* __restrict__ s, const float* __restrict__ dp, int64_t n, int64_t Hp, float scale,
+DSATTN_VECTOR_BODY void gradient_terms_bf16_body(const float* __restrict__ s, const float* __restrict__ dp, int64_t n, int64_t Hp, float scale,
                          const float* __restrict__ lse, const float* __restrict__ dsum, float* __restrict__ ds_f32,
                          uint16_t* __restrict__ ds_bits, uint16_t* __restrict__ p_bits, float* __restrict__ sink_dot,
                          float* __restrict__ psum) {
@@ -786,14 +781,14 @@ void gradient_terms_bf16(const float* __restrict__ s, const float* __restrict__ 
     psum[j] = acc;
   }
 }
+DSATTN_PER_ISA(gradient_terms_bf16, (const float* __restrict__ s, const float* __restrict__ dp, int64_t n, int64_t Hp, float scale, const float* __restrict__ lse, const float* __restrict__ dsum, float* __restrict__ ds_f32, uint16_t* __restrict__ ds_bits, uint16_t* __restrict__ p_bits, float* __restrict__ sink_dot, float* __restrict__ psum), (s, dp, n, Hp, scale, lse, dsum, ds_f32, ds_bits, p_bits, sink_dot, psum))
 
 // The backward's per-row element loops, kept out of backward_rows (a template compiled for the
 // baseline ISA) so that they are compiled per ISA too.
 
 // dst[j, :D] += scale * a[j, :D] + b[j, :D] for the n rows j of two [n, Dp] fp32 blocks, into the
 // accumulator rows ``dst[j]`` (dK: the scaled dS^T q plus round(P)^T dO, as the golden sums them).
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void add_scaled_rows(float* const* __restrict__ dst, const float* __restrict__ a, const float* __restrict__ b,
+DSATTN_VECTOR_BODY void add_scaled_rows_body(float* const* __restrict__ dst, const float* __restrict__ a, const float* __restrict__ b,
                      int64_t n, int64_t D, int64_t Dp, float scale) {
   for (int64_t j = 0; j < n; ++j) {
     float* __restrict__ d = dst[j];
@@ -801,10 +796,10 @@ void add_scaled_rows(float* const* __restrict__ dst, const float* __restrict__ a
     for (int64_t k = 0; k < D; ++k) d[k] += scale * aj[k] + bj[k];
   }
 }
+DSATTN_PER_ISA(add_scaled_rows, (float* const* __restrict__ dst, const float* __restrict__ a, const float* __restrict__ b, int64_t n, int64_t D, int64_t Dp, float scale), (dst, a, b, n, D, Dp, scale))
 
 // out[h] = sum_d x[h, d] y[h, d] over bf16 rows [H, D], in 16 fp32 lanes (no reassociated sum).
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void row_dots_bf16(const uint16_t* __restrict__ x, const uint16_t* __restrict__ y, int64_t H, int64_t D,
+DSATTN_VECTOR_BODY void row_dots_bf16_body(const uint16_t* __restrict__ x, const uint16_t* __restrict__ y, int64_t H, int64_t D,
                    float* __restrict__ out) {
   for (int64_t h = 0; h < H; ++h) {
     float lanes[16] = {};
@@ -819,13 +814,14 @@ void row_dots_bf16(const uint16_t* __restrict__ x, const uint16_t* __restrict__ 
     out[h] = acc;
   }
 }
+DSATTN_PER_ISA(row_dots_bf16, (const uint16_t* __restrict__ x, const uint16_t* __restrict__ y, int64_t H, int64_t D, float* __restrict__ out), (x, y, H, D, out))
 
 // dst [Hp, Dp] = src [H, D] zero padded (16-bit elements).
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void pad_rows16(const uint16_t* __restrict__ src, int64_t H, int64_t D, int64_t Hp, int64_t Dp, uint16_t* __restrict__ dst) {
+DSATTN_VECTOR_BODY void pad_rows16_body(const uint16_t* __restrict__ src, int64_t H, int64_t D, int64_t Hp, int64_t Dp, uint16_t* __restrict__ dst) {
   for (int64_t h = 0; h < Hp; ++h)
     for (int64_t d = 0; d < Dp; ++d) dst[h * Dp + d] = h < H && d < D ? src[h * D + d] : uint16_t(0);
 }
+DSATTN_PER_ISA(pad_rows16, (const uint16_t* __restrict__ src, int64_t H, int64_t D, int64_t Hp, int64_t Dp, uint16_t* __restrict__ dst), (src, H, D, Hp, Dp, dst))
 
 // ---- backward (the golden's sparse_flash_mla_grad, dsattn/sparse_mla/ref.py) ----
 //
@@ -1278,7 +1274,7 @@ std::string attention_gemm(const std::string& dtype) {
 // [K, N] matrix (K even, N <= 64: the widths cpublas::pack writes).  None where the CPU has no
 // packed bf16 GEMM.
 c10::optional<bool> packed_layout_matches(int64_t K, int64_t N) {
-  if (!could_pack(at::kBFloat16)) return c10::nullopt;
+  if (!dsattn_native::cpu_runs_amx(at::kBFloat16)) return c10::nullopt;
   TORCH_CHECK(K % 2 == 0 && N % 16 == 0 && N <= 64, "K even, N a multiple of 16 up to 64");
   const auto B = at::randn({K, N}).to(at::kBFloat16).contiguous();
   const auto* b = reinterpret_cast<const uint16_t*>(B.data_ptr());

@@ -25,6 +25,7 @@
 #define DSATTN_HAVE_BRGEMM 0
 #endif
 
+#include "isa.h"
 #include "gemm.h"
 
 namespace dsattn_native {
@@ -178,7 +179,7 @@ using TransposeTile = void (*)(const uint32_t*, int64_t, uint32_t*, int64_t);
 
 inline TransposeTile best_transpose_tile() {
   static const TransposeTile tile =
-      __builtin_cpu_supports("avx512f") ? transpose_tile16_avx512 : transpose_tile16_scalar;
+      isa_has(ISA_AVX512) ? transpose_tile16_avx512 : transpose_tile16_scalar;
   return tile;
 }
 
@@ -203,7 +204,7 @@ inline bool transposes_match(int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) want[c * ld + r] = src[r * ls + c];
   std::vector<TransposeTile> tiles{transpose_tile16_scalar};
-  if (__builtin_cpu_supports("avx512f")) tiles.push_back(transpose_tile16_avx512);
+  if (isa_has(ISA_AVX512)) tiles.push_back(transpose_tile16_avx512);
   bool ok = true;
   for (TransposeTile tile : tiles) {
     std::vector<uint32_t> got(cols * ld, 0);

@@ -5,6 +5,8 @@
 
 #include <immintrin.h>
 
+#include "isa.h"
+
 #include <cstdint>
 #include <limits>
 
@@ -105,18 +107,13 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) inline voi
 
 using DequantFp8 = void (*)(const uint8_t*, int64_t, float, float*);
 
-// AVX-512 F + BW + VL: what the AVX-512 decoders above are compiled for
-inline bool cpu_has_avx512bw() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return has;
-}
+// AVX-512 F + BW + VL: what the AVX-512 decoders above are compiled for (the avx512 class and up)
+inline bool cpu_has_avx512bw() { return isa_has(ISA_AVX512); }
 
 // chosen once per process, from what the CPU runs
 inline DequantFp8 dequant_tile_fp8_best() {
-  __builtin_cpu_init();
   if (cpu_has_avx512bw()) return dequant_tile_fp8_avx512;
-  if (__builtin_cpu_supports("avx2")) return dequant_tile_fp8_avx2;
+  if (isa_has(ISA_AVX2)) return dequant_tile_fp8_avx2;
   return dequant_tile_fp8_scalar;
 }
 

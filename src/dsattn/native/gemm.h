@@ -23,6 +23,8 @@
 
 #include <immintrin.h>
 
+#include "isa.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -44,10 +46,10 @@ inline std::atomic<int>& gemm_request() {
   return request;
 }
 
-inline bool cpu_has_avx512bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-  return has;
-}
+inline bool cpu_has_avx512bf16() { return isa_has(ISA_AVX512_BF16); }
+
+// AMX's 16-bit products through oneDNN's ukernel (cpublas::could_pack), where the class allows them
+inline bool cpu_runs_amx(at::ScalarType dt) { return isa_has(ISA_AMX) && at::native::cpublas::could_pack(dt); }
 
 enum GemmKind : int { KIND_AMX, KIND_ONEDNN, KIND_AVX512BF16, KIND_FP32 };
 
@@ -77,7 +79,7 @@ inline GemmKind gemm_kind(at::ScalarType dt) {
   if (request == GEMM_FP32 || (dt != at::kBFloat16 && dt != at::kHalf)) return KIND_FP32;
   if (dt == at::kBFloat16 && request == GEMM_AVX512BF16) return cpu_has_avx512bf16() ? KIND_AVX512BF16 : KIND_FP32;
   if (dt == at::kBFloat16 && request == GEMM_ONEDNN) return bf16_choice().onednn_runs ? KIND_ONEDNN : KIND_FP32;
-  if (at::native::cpublas::could_pack(dt)) return KIND_AMX;
+  if (cpu_runs_amx(dt)) return KIND_AMX;
   // vdpbf16ps multiplies bf16 only; fp16 without a native ukernel takes the fp32 path
   if (dt == at::kBFloat16 && cpu_has_avx512bf16()) return bf16_choice().onednn ? KIND_ONEDNN : KIND_AVX512BF16;
   return KIND_FP32;
@@ -288,7 +290,7 @@ inline double attention_shapes_seconds(GemmKind kind) {
 
 inline Bf16Choice measure_bf16_choice() {
   Bf16Choice c;
-  if (at::native::cpublas::could_pack(at::kBFloat16) || !cpu_has_avx512bf16()) return c;
+  if (cpu_runs_amx(at::kBFloat16) || !cpu_has_avx512bf16()) return c;
   c.measured = true;
   // oneDNN's ukernel on bf16 without AMX: it must run, and agree with the micro-kernel (same
   // products, fp32 sums in another order) before its speed counts

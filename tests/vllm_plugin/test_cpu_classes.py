@@ -1,0 +1,54 @@
+"""vLLM's kernel library of each CPU class on this machine (``DSATTN_CPU_ISA`` picks ``_C_AVX2`` / ``_C_AVX512``):
+the DSA models serve with each, DeepSeek-V4 is refused up front where the library lacks vLLM's V4 ops."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsattn.integrations.vllm import tiny
+from dsattn.native import isa
+from vllm_helpers import MAX_TOKENS, compare, hf_greedy, run_llm
+
+PROMPTS = tiny.prompts((40, 57, 23))
+LIBRARIES = {"avx512": "_C_AVX512", "avx2": "_C_AVX2"}
+
+
+def _as_class(cls: str) -> dict:
+    if isa.CLASSES.index(cls) > isa.CLASSES.index(isa.cpu_class()):
+        pytest.skip(f"this CPU's class is {isa.cpu_class()}, below {cls}")
+    return isa.environment(cls)
+
+
+@pytest.mark.parametrize("cls", list(LIBRARIES))
+def test_the_platform_loads_the_class_library(cls):
+    env = _as_class(cls)
+    code = ("import torch; from dsattn.integrations.vllm.platform import DsattnCpuPlatform, missing_v4_ops; "
+            "DsattnCpuPlatform.import_kernels(); print('onednn_mm', hasattr(torch.ops._C, 'onednn_mm')); "
+            "print('missing', len(missing_v4_ops()))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, **env))
+    assert proc.returncode == 0, proc.stderr
+    assert "onednn_mm True" in proc.stdout
+    assert "missing 11" in proc.stdout, proc.stdout        # none of vLLM's V4 ops: they are _C's only
+
+
+@pytest.fixture(scope="module")
+def dsa_checkpoint(tmp_path_factory):
+    return tiny.write_dsa(tmp_path_factory.mktemp("dsa"), tiny.ARCHS[0])
+
+
+@pytest.mark.parametrize("cls", list(LIBRARIES))
+def test_dsa_serves_on_the_class_library(cls, dsa_checkpoint):
+    """DeepSeek-V3.2 in fp32 with vLLM's library of that class loaded: the same tokens as transformers."""
+    env = _as_class(cls)
+    got = run_llm(dsa_checkpoint, PROMPTS, env=env)
+    matched, total = compare(got, hf_greedy(dsa_checkpoint, PROMPTS, MAX_TOKENS), tol=1e-4, min_match=0.95)
+    assert matched == total
+
+
+def test_v4_is_refused_up_front_without_the_v4_ops(tmp_path):
+    env = _as_class("avx2")
+    with pytest.raises(AssertionError, match="needs its V4 CPU ops .* which vllm._C_AVX2 lacks"):
+        run_llm(tiny.write_v4(tmp_path), PROMPTS[:1], engine=dict(dtype="bfloat16", max_model_len=512,
+                                                                   skip_tokenizer_init=True), env=env, timeout=300)
