@@ -17,7 +17,9 @@ import os
 import pytest
 
 from dsattn.integrations.vllm import tiny
-from vllm_helpers import MAX_TOKENS, compare, hf_greedy, run_llm
+from vllm_helpers import MAX_TOKENS, compare, hf_greedy, needs_v4_ops, run_llm
+
+pytestmark = needs_v4_ops
 
 PROMPTS = tiny.prompts((150, 97, 211, 130))
 ENGINE = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512)

@@ -7,6 +7,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from dsattn.quant.flashmla import V32, dequantize_cache, quantize_cache
@@ -14,6 +15,20 @@ from dsattn.quant.index_keys import dequantize_index_keys, quantize_index_keys
 
 HERE = Path(__file__).parent
 MAX_TOKENS = 24
+
+
+def v4_ops_missing() -> str:
+    """Why vLLM's CPU DeepSeek-V4 cannot load here ('' where it can): the kernel library vLLM loads for this CPU
+    (or for DSATTN_CPU_ISA's class) lacks vLLM's V4 ops, which only its AVX512-BF16 library ``_C`` has."""
+    from vllm import _custom_ops  # noqa: F401  (loads the platform's kernel library)
+    from dsattn.integrations.vllm.platform import missing_v4_ops
+    missing = missing_v4_ops()
+    return (f"vLLM's kernel library here lacks its DeepSeek-V4 ops ({', '.join(missing)}): vLLM cannot load V4 on "
+            "this CPU class, and dsattn does not supply those ops yet") if missing else ""
+
+
+# the marker of tests that load vLLM's DeepSeek-V4 model or call its V4 kernels
+needs_v4_ops = pytest.mark.skipif(bool(v4_ops_missing()), reason=v4_ops_missing() or "-")
 
 
 def run_llm(model, prompts, engine=None, late=None, max_tokens=MAX_TOKENS, env=None, timeout=600):
