@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from dsattn.integrations.vllm import tiny
-from vllm_helpers import needs_v4_ops
 
 START_TIMEOUT = 300
 REQUEST_TIMEOUT = 120
@@ -35,7 +34,7 @@ def _post(url, body):
 MODELS = {"v32": (tiny.write_dsa, "float32"), "v4": (tiny.write_v4, "bfloat16")}   # V4: vLLM's CPU model is bf16
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=needs_v4_ops) if name == "v4" else name for name in MODELS])
+@pytest.mark.parametrize("name", MODELS)
 def test_serve_concurrent_completions(tmp_path, name):
     write, dtype = MODELS[name]
     model = write(tmp_path / name)

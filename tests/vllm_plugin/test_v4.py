@@ -17,9 +17,7 @@ import os
 import pytest
 
 from dsattn.integrations.vllm import tiny
-from vllm_helpers import MAX_TOKENS, compare, hf_greedy, needs_v4_ops, run_llm
-
-pytestmark = needs_v4_ops
+from vllm_helpers import MAX_TOKENS, compare, hf_greedy, needs_vllm_v4_kernels, run_llm
 
 PROMPTS = tiny.prompts((150, 97, 211, 130))
 ENGINE = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512)
@@ -65,6 +63,7 @@ def test_float32_against_transformers_with_vllms_cache_roundings(checkpoint, flo
         assert g["tokens"][0] == w["tokens"][0] and abs(g["logprobs"][0] - w["logprobs"][0]) <= 5e-2
 
 
+@needs_vllm_v4_kernels
 def test_same_tokens_as_vllms_kernels(tmp_path_factory):
     """Top-512 over prompts of 2.1-2.6K tokens (the indexer selects 512 of up to 650 compressed entries):
     dsattn's kernels and vLLM's on the same engine, caches and FP8 indexer query give the same tokens;

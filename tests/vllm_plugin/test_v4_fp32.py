@@ -11,9 +11,9 @@ from vllm import _custom_ops  # noqa: E402,F401  (loads torch.ops._C)
 
 from dsattn.integrations.vllm import v4_fp32  # noqa: E402
 from dsattn.quant import flashmla as layouts  # noqa: E402
-from vllm_helpers import needs_v4_ops  # noqa: E402
+from vllm_helpers import needs_vllm_v4_kernels  # noqa: E402
 
-pytestmark = needs_v4_ops          # (each test compares against, or runs, vLLM's V4 kernels)
+pytestmark = needs_vllm_v4_kernels          # (each test compares against vLLM's V4 kernels)
 
 HC, D = 4, 256
 

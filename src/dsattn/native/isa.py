@@ -115,10 +115,10 @@ def describe() -> str:
     return f"CPU class: {cls}{capped}; {units}"
 
 
-def run_below(command: list[str], own: str | None = None) -> int:
-    """Run ``command`` once under each class below the CPU's own (fresh processes, :func:`environment`);
-    the first non-zero exit status, else 0."""
-    classes = below(own)
+def run_below(command: list[str], own: str | None = None, only: list[str] | None = None) -> int:
+    """Run ``command`` once under each class below the CPU's own (fresh processes, :func:`environment`), or
+    each of ``only`` that is below it; the first non-zero exit status, else 0."""
+    classes = [c for c in below(own) if only is None or c in only]
     if not classes:
         print(f"dsattn.native.isa: this CPU's class is {cpu_class()!r}: no class below it to run", flush=True)
     for cls in classes:
@@ -135,11 +135,22 @@ def run_below(command: list[str], own: str | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--below"] and "--" in argv:
-        return run_below(argv[argv.index("--") + 1:])
+        options = argv[1:argv.index("--")]
+        only = None
+        if options[:1] == ["--only"] and len(options) == 2:
+            only = options[1].split(",")
+            unknown = [c for c in only if c not in CLASSES]
+            if unknown:
+                print(f"--only: unknown classes {unknown}: expected {', '.join(CLASSES)}", file=sys.stderr)
+                return 2
+        elif options:
+            print("usage: python -m dsattn.native --below [--only CLASS,...] -- COMMAND ...", file=sys.stderr)
+            return 2
+        return run_below(argv[argv.index("--") + 1:], only=only)
     if not argv:
         print(describe())
         return 0
-    print("usage: python -m dsattn.native [--below -- COMMAND ...]", file=sys.stderr)
+    print("usage: python -m dsattn.native [--below [--only CLASS,...] -- COMMAND ...]", file=sys.stderr)
     return 2
 
 

@@ -7,7 +7,8 @@ vLLM finds this package through two entry points (``pyproject.toml``):
   only for DeepSeek's sparse-attention models: for DSA (``DeepseekV32ForCausalLM``,
   ``GlmMoeDsaForCausalLM``) their attention goes to dsattn's backend instead of vLLM's refusal and
   their scheduler settings (chunked prefill, prefix caching) stay the user's; for DeepSeek-V4 it
-  says what vLLM's CPU model cannot run before it starts;
+  says what vLLM's CPU model cannot run before it starts, and on CPUs whose vLLM kernel library lacks the V4 ops
+  (AVX-512 without BF16, AVX2) supplies them (``.v4_ops``);
 * ``vllm.general_plugins`` -> :func:`register`, run in every vLLM process (driver, engine core,
   workers): installs the DSA indexer on dsattn's kernels, the CPU rotary fix, the torch versions of
   the V4 metadata kernels and V4's attention / CSA indexer on dsattn, only when the platform above
@@ -86,8 +87,9 @@ def register() -> None:
                  type(current_platform).__name__)
         _REGISTERED = True
         return
-    from . import dsa, rope, v4, v4_fp32, v4_metadata
+    from . import dsa, rope, v4, v4_fp32, v4_metadata, v4_ops
     rope.install()
+    v4_ops.install()                    # (vLLM's V4 ops where its kernel library lacks them)
     dsa.install()
     v4_metadata.install()
     v4_fp32.install()

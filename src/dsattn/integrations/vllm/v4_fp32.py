@@ -82,17 +82,19 @@ def gptj_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Ten
     return torch.cat([x[..., :-R], rotary(x[..., -R:], cos, -sin if inverse else sin, ROTARY_INTERLEAVE)], dim=-1)
 
 
-def quantize_v4_rows(rows: torch.Tensor):
+def quantize_v4_rows(rows: torch.Tensor, flush_subnormals: bool = True):
     """vLLM's quantisation of V4 cache rows ``[n, 512]`` (its window insert; its compressor stores round the
     same way): the row rounded to bf16, the 448 nope values in tiles of 64 with FlashMLA's power-of-two scales
     (``2^ceil(log2(max(amax / 448, 1e-4)))``: vLLM's Triton kernels floor ``amax`` instead, its CPU kernel
-    does not), what would be an e4m3 subnormal flushed to a signed zero (vLLM's CPU kernel does; FlashMLA's
-    keeps it).  Returns (fp8 payload ``[n, 448]``, scales ``[n, 7]`` float32, rope ``[n, 64]`` bf16)."""
+    does not), what would be an e4m3 subnormal flushed to a signed zero (vLLM's CPU window insert does; FlashMLA's
+    and vLLM's compressor stores keep it: ``flush_subnormals=False``).  Returns (fp8 payload ``[n, 448]``, scales ``[n, 7]`` float32, rope ``[n, 64]`` bf16)."""
     lay = layouts.V4
     x = rows.to(torch.bfloat16)
     scales = layouts.tile_scales(x[:, :lay.d_nope], lay)
     v = (x[:, :lay.d_nope].float().unflatten(-1, (lay.num_tiles, lay.tile)) / scales[..., None]).flatten(-2)
-    v = torch.where(v.abs() < E4M3_MIN_NORMAL, v * 0.0, v).clamp(-layouts.FP8_MAX, layouts.FP8_MAX)
+    if flush_subnormals:
+        v = torch.where(v.abs() < E4M3_MIN_NORMAL, v * 0.0, v)
+    v = v.clamp(-layouts.FP8_MAX, layouts.FP8_MAX)
     return v.to(layouts.FP8), scales, x[:, lay.d_nope:]
 
 
@@ -114,14 +116,21 @@ def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Ten
     out = q.new_zeros((T, q_head_padded, D))
     out[:, :H] = qf.to(q.dtype)
     n = slot_mapping.size(0)
-    payload, scales, rope = quantize_v4_rows(gptj_rope(kv[:n].float(), positions[:n], cos_sin_cache))
+    slots = slot_mapping.long()
+    store_v4_rows(cache_2d, block_size, slots, slots >= 0, gptj_rope(kv[:n].float(), positions[:n], cos_sin_cache))
+    return out
+
+
+def store_v4_rows(cache_2d: torch.Tensor, block_size: int, slots: torch.Tensor, keep: torch.Tensor,
+                  rows: torch.Tensor, flush_subnormals: bool = True) -> None:
+    """Rows ``[n, 512]`` quantised (:func:`quantize_v4_rows`) into their slots of a V4 cache ``cache_2d [num_blocks,
+    block bytes]`` (FlashMLA's layout: each block its rows' payload + rope, then their UE8M0 scales), where ``keep``."""
+    payload, scales, rope = quantize_v4_rows(rows, flush_subnormals)
     e8m0 = scales.to(torch.float8_e8m0fnu).view(torch.uint8)
     body, scale_bytes = layouts.regions(paged_rows(cache_2d, block_size), layouts.V4)   # [blocks, rows, bytes]
-    slots = slot_mapping.long()
-    at, keep = (slots.clamp(min=0) // block_size, slots.clamp(min=0) % block_size), slots >= 0
+    at = (slots.clamp(min=0) // block_size, slots.clamp(min=0) % block_size)
     write_rows(body, at, keep, torch.cat([payload.view(torch.uint8), rope.view(torch.uint8)], -1))
     write_rows(scale_bytes, at, keep, torch.cat([e8m0, torch.zeros_like(e8m0[:, :1])], -1))
-    return out
 
 
 # vLLM kernel name -> (its float32 version, the argument that carries the model dtype)
