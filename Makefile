@@ -34,10 +34,8 @@ KERNEL_TESTS := tests/test_native_kernels.py tests/test_gemm_kernel.py tests/tes
 	tests/test_sharedkv_compiled.py tests/test_cpu_isa.py
 
 # DeepSeek-V4 served with vLLM's AVX-512 and AVX2 kernel libraries (DSATTN_CPU_ISA makes the plug-in load them; the
-# V4 ops they lack are dsattn's): the engine tests but the bf16-against-transformers one, whose 4 prompts of this
-# tiny random model diverge at near ties within a few tokens on any kernel change (tests/vllm_plugin/test_cpu_classes.py)
-V4_CLASS_TESTS := tests/vllm_plugin/test_v4.py "tests/vllm_plugin/test_serve.py::test_serve_concurrent_completions[v4]" \
-	-k "not test_against_transformers"
+# V4 ops they lack are dsattn's)
+V4_CLASS_TESTS := tests/vllm_plugin/test_v4.py "tests/vllm_plugin/test_serve.py::test_serve_concurrent_completions[v4]"
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -n 2

@@ -221,3 +221,23 @@ def test_gemm_gflops_checks_its_arguments(native_module):
             native_module.gemm_gflops("avx512bf16", 12, 64, 64, 64)
     if _has_onednn(native_module):
         assert native_module.gemm_gflops("onednn", 12, 64, 64, 64) > 0
+
+
+# the softmax's exp loops: each class's build must multiply packed floats of its width (ymm for AVX2, xmm for the
+# baseline): a float select GCC cannot if-convert leaves a build scalar without failing any result test
+_EXP_LOOPS = ("exp_and_sum", "softmax_numerators_bf16", "gradient_terms_bf16")
+_PACKED = re.compile(r"^v?(mul|fmadd\w*|add)ps$")
+
+
+def test_each_class_build_of_the_exp_loops_is_vectorised(native_module):
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump (binutils) is not installed: the built layer's loops cannot be read")
+    text = _disassemble(native_module.__file__)
+    for loop in _EXP_LOOPS:
+        for build, width in (("avx512", "zmm"), ("avx2", "ymm"), ("generic", "xmm")):
+            found = _functions(text, f"{loop}_{build}(")
+            assert len(found) == 1, (loop, build, sorted(found))
+            packed = [ins for ins in next(iter(found.values())) if _PACKED.match(ins[1]) and width in ins[2]]
+            assert len(packed) >= 8, f"{loop}_{build}: {len(packed)} packed {width} float ops: left scalar?"
