@@ -232,8 +232,13 @@ void pack_query(const scalar_t* q, int64_t H, int64_t D, int64_t Hp, int64_t Dp,
     if constexpr (std::is_same_v<scalar_t, float>) {
       transpose32(q, D, H, D, out, Hp);
     } else {
-      for (int64_t h = 0; h < H; ++h)               // (reads along q's rows)
-        for (int64_t d = 0; d < D; ++d) out[d * Hp + h] = static_cast<float>(q[h * D + d]);
+      // widened along q's rows (vectorised), then transposed in tiles: widened element by element into q^T,
+      // the loop wrote one float at a time down q^T's columns, a tenth of an fp32-path prefill row's time on
+      // AVX2 (HCA 8K: the rows' GEMMs are small)
+      thread_local std::vector<float> wide;
+      wide.resize(static_cast<size_t>(H * D));
+      for (int64_t i = 0; i < H * D; ++i) wide[i] = static_cast<float>(q[i]);
+      transpose32(wide.data(), D, H, D, out, Hp);
     }
   } else {
     static_assert(std::is_same_v<scalar_t, mm_t>, "16-bit GEMM operands are the query dtype");

@@ -44,14 +44,17 @@ def _detect() -> str:
     if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
         return "generic"
     import torch
-    cpu = torch.cpu
-    if not cpu._is_avx2_supported():
+
+    def has(name: str) -> bool:
+        ask = getattr(torch.cpu, name)
+        return bool(getattr(ask, "_dsattn_real", ask)())     # (the CPU's answer, not a capped class's)
+    if not has("_is_avx2_supported"):
         return "generic"
-    if not cpu._is_avx512_supported():
+    if not has("_is_avx512_supported"):
         return "avx2"
-    if not cpu._is_avx512_bf16_supported():
+    if not has("_is_avx512_bf16_supported"):
         return "avx512"
-    return "amx" if cpu._is_amx_tile_supported() else "avx512_bf16"
+    return "amx" if has("_is_amx_tile_supported") else "avx512_bf16"
 
 
 def requested() -> str | None:

@@ -61,7 +61,7 @@ def _answer_as(cls: str) -> None:
         if real is not None and not getattr(real, "_dsattn_class", None):
             has = isa.CLASSES.index(cls) >= isa.CLASSES.index(least)
             answer = (lambda real=real, has=has: has and real())
-            answer._dsattn_class = cls
+            answer._dsattn_class, answer._dsattn_real = cls, real
             setattr(torch.cpu, name, answer)
 
 
