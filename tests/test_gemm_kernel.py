@@ -89,12 +89,17 @@ def _disassemble(path: str) -> str:
                           capture_output=True, text=True, check=True, timeout=300).stdout
 
 
-def test_the_micro_kernel_loops_store_no_accumulator(native_module):
+def _built_layer_disassembly(native_module) -> str:
+    """The built layer's disassembly, or the test skipped where there is no layer or no objdump."""
     if native_module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
     if shutil.which("objdump") is None:
         pytest.skip("objdump (binutils) is not installed: the built layer's loops cannot be read")
-    text = _disassemble(native_module.__file__)
+    return _disassemble(native_module.__file__)
+
+
+def test_the_micro_kernel_loops_store_no_accumulator(native_module):
+    text = _built_layer_disassembly(native_module)
     # every tile shape the GEMM dispatches to: 1-6 rows x 1-4 column slices, with each side work
     plain = loop_report(text, "dpbf16_tile<")
     plain = {fn: r for fn, r in plain.items() if "LinePrefetch>" in fn}
@@ -116,11 +121,7 @@ def test_the_micro_kernel_loops_store_no_accumulator(native_module):
 def test_the_tiles_that_run_without_vbmi_hold_no_vbmi_instruction(native_module):
     # the tiles are compiled for AVX-512 VBMI (the FP8 side work's byte permutes); those with a prefetch
     # list as side work run on AVX512-BF16 CPUs without VBMI (Cooper Lake), so none of theirs may be one
-    if native_module is None:
-        pytest.skip(f"no compiled layer here: {native.status()}")
-    if shutil.which("objdump") is None:
-        pytest.skip("objdump (binutils) is not installed: the built layer's loops cannot be read")
-    found = vbmi_instructions(_disassemble(native_module.__file__), "dpbf16_")
+    found = vbmi_instructions(_built_layer_disassembly(native_module), "dpbf16_")
     plain = {fn: x for fn, x in found.items() if "LinePrefetch" in fn}
     assert len(plain) >= 24 + 4, sorted(plain)                        # the tiles and the strips
     assert not any(plain.values()), {fn: x[:2] for fn, x in plain.items() if x}
@@ -230,11 +231,7 @@ _PACKED = re.compile(r"^v?(mul|fmadd\w*|add)ps$")
 
 
 def test_each_class_build_of_the_exp_loops_is_vectorised(native_module):
-    if native_module is None:
-        pytest.skip(f"no compiled layer here: {native.status()}")
-    if shutil.which("objdump") is None:
-        pytest.skip("objdump (binutils) is not installed: the built layer's loops cannot be read")
-    text = _disassemble(native_module.__file__)
+    text = _built_layer_disassembly(native_module)
     for loop in _EXP_LOOPS:
         for build, width in (("avx512", "zmm"), ("avx2", "ymm"), ("generic", "xmm")):
             found = _functions(text, f"{loop}_{build}(")

@@ -27,12 +27,15 @@ def test_the_platform_loads_the_class_library(cls):
     env = _as_class(cls)
     code = ("import torch; from dsattn.integrations.vllm.platform import DsattnCpuPlatform, missing_v4_ops; "
             "DsattnCpuPlatform.import_kernels(); print('onednn_mm', hasattr(torch.ops._C, 'onednn_mm')); "
-            "print('missing', len(missing_v4_ops()))")
+            "print('missing', len(missing_v4_ops())); "
+            "print('answers', torch.cpu._is_avx512_supported(), torch.cpu._is_amx_tile_supported())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, **env))
     assert proc.returncode == 0, proc.stderr
     assert "onednn_mm True" in proc.stdout
-XX
+    assert "missing 13" in proc.stdout, proc.stdout        # none of vLLM's V4 ops: they are _C's only
+    # vLLM's capability checks answered for the class (its GEMM and attention paths follow them)
+    assert f"answers {cls == 'avx512'} False" in proc.stdout, proc.stdout
 
 
 @pytest.fixture(scope="module")
