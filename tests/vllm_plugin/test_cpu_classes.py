@@ -56,6 +56,6 @@ def test_vllms_v4_attention_kernels_are_refused_up_front_where_missing(tmp_path)
     env = _as_class("avx2")
     with pytest.raises(AssertionError, match="DSATTN_V4_KERNELS=vllm runs vLLM's CPU attention .* which "
                                              "vllm._C_AVX2 lacks"):
-        run_llm(tiny.write_v4(tmp_path, index_topk=512), PROMPTS[:1], engine=dict(dtype="bfloat16", max_model_len=512,
-                                                                   skip_tokenizer_init=True),
+        model = tiny.write_v4(tmp_path, index_topk=512)        # (vLLM's indexer refuses any other top-k first)
+        run_llm(model, PROMPTS[:1], engine=dict(dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True),
                 env=dict(env, DSATTN_V4_KERNELS="vllm"), timeout=300)
