@@ -67,6 +67,17 @@ def test_the_compiled_layer_runs_as_the_capped_class(cls):
         assert bf16 in ("avx512bf16", "onednn") and fp16 == "fp32" and has_bf16 == "True"
 
 
+def test_the_compiled_layer_reads_the_cap_as_the_checks_do():
+    """Case and surrounding spaces do not count, on either side: the layer runs the class the check accepted."""
+    if isa.CLASSES.index(isa.cpu_class()) < isa.CLASSES.index("avx2"):
+        pytest.skip(f"this CPU's class is {isa.cpu_class()}")
+    if native.kernels() is None:
+        pytest.skip(native.status())
+    proc = _run("from dsattn import native; print('as', native.kernels().cpu_isa())", DSATTN_CPU_ISA=" AVX2 ")
+    assert proc.returncode == 0, proc.stderr
+    assert "as avx2" in proc.stdout, proc.stdout
+
+
 def test_run_below_runs_each_lower_class():
     proc = _run("import sys; from dsattn.native import isa; "
                 "sys.exit(isa.run_below([sys.executable, '-c', 'import os; print(\"as\", os.environ[\"DSATTN_CPU_ISA\"])'], "

@@ -234,7 +234,8 @@ def test_each_class_build_of_the_exp_loops_is_vectorised(native_module):
     text = _built_layer_disassembly(native_module)
     for loop in _EXP_LOOPS:
         for build, width in (("avx512", "zmm"), ("avx2", "ymm"), ("generic", "xmm")):
-            found = _functions(text, f"{loop}_{build}(")
+            found = {fn: body for fn, body in _functions(text, f"{loop}_{build}(").items()
+                     if "[clone" not in fn}                       # (GCC's .cold parts: the loop is in the body)
             assert len(found) == 1, (loop, build, sorted(found))
             packed = [ins for ins in next(iter(found.values())) if _PACKED.match(ins[1]) and width in ins[2]]
             assert len(packed) >= 8, f"{loop}_{build}: {len(packed)} packed {width} float ops: left scalar?"

@@ -22,8 +22,10 @@
 #endif
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 namespace dsattn_native {
 
@@ -64,11 +66,15 @@ inline CpuIsa cpu_isa_own() {
   return own;
 }
 
-// DSATTN_CPU_ISA's class, or ISA_AMX (no cap) when it is unset, empty or unknown.
+// DSATTN_CPU_ISA's class, or ISA_AMX (no cap) when it is unset, empty or unknown.  Read as the Python side
+// reads it (dsattn.native.isa.requested): spaces around it and letter case do not count.
 inline CpuIsa isa_cap() {
   static const CpuIsa cap = [] {
     const char* value = std::getenv("DSATTN_CPU_ISA");
-    const int parsed = value == nullptr ? -1 : isa_parse(value);
+    std::string name;
+    for (const char* c = value; c != nullptr && *c != '\0'; ++c)
+      if (*c != ' ' && *c != '\t' && *c != '\n') name += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+    const int parsed = name.empty() ? -1 : isa_parse(name.c_str());
     return parsed < 0 ? ISA_AMX : static_cast<CpuIsa>(parsed);
   }();
   return cap;

@@ -123,7 +123,8 @@ def run_below(command: list[str], own: str | None = None, only: list[str] | None
     each of ``only`` that is below it; the first non-zero exit status, else 0."""
     classes = [c for c in below(own) if only is None or c in only]
     if not classes:
-        print(f"dsattn.native.isa: this CPU's class is {cpu_class()!r}: no class below it to run", flush=True)
+        print(f"dsattn.native: this CPU's class is {own or cpu_class()!r}: no class below it"
+              + (f" among {', '.join(only)}" if only is not None else "") + " to run", flush=True)
     for cls in classes:
         env = dict(os.environ, **environment(cls))
         print(f"== {VARIABLE}={cls} (oneDNN {env['ONEDNN_MAX_CPU_ISA']}, ATen {env['ATEN_CPU_CAPABILITY']}): "
@@ -155,7 +156,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("usage: python -m dsattn.native [--below [--only CLASS,...] -- COMMAND ...]", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

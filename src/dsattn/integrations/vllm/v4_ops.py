@@ -88,31 +88,29 @@ def save_partial_states(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor
 
 
 def _compress(state_cache, gather_slots, positions, kv_slot_mapping, rms_norm_weight, rms_norm_eps, ratio: int):
-    """The compressor's output of each token that closes a group (``(position + 1) % ratio == 0`` and a compressed
-    slot): the softmax over its window's states of each column's score, their weighted sum of kv, RMSNorm.
-    Returns (its rows ``[T, head]`` float32, which tokens store, the compressed cache slots).  A window of
-    ``(1 + overlap) x ratio`` states reads its first ``ratio`` states' first ``head`` columns and the rest's second
-    ``head`` (V4's overlapping CSA groups)."""
+    """The compressor's output of each token that closes a group (``(position + 1) % ratio == 0``) and has a
+    compressed slot: the softmax over its window's states of each column's score, their weighted sum of kv,
+    RMSNorm.  Returns (those rows ``[K, head]`` float32, their groups' first positions, their compressed cache
+    slots).  A window of ``(1 + overlap) x ratio`` states reads its first ``ratio`` states' first ``head`` columns
+    and the rest's second ``head`` (V4's overlapping CSA groups).  Only the K closing tokens (one in ``ratio``) are
+    gathered: every token's window would be ``window x head`` floats a token (256 KB at ratio 128)."""
     T, window = gather_slots.shape
     W = state_cache.size(-1) // 2
-    overlap = window // ratio - 1
-    head = W // (1 + overlap)
+    head = W // (window // ratio)                                           # (window // ratio: 1 + overlap)
     pos = positions[:T].long()
-    flat = state_cache.reshape(-1, 2 * W)
-    slots = gather_slots.long()
-    local = pos[:, None] - window + 1 + torch.arange(window)
-    valid = (slots >= 0) & (local >= 0)
-    states = flat[slots.clamp(min=0)].float()                               # [T, window, 2 W]
-    second = (torch.arange(window) >= ratio).long()[:, None] * head         # [window, 1]
-    cols = second + torch.arange(head)                                      # [window, head]
-    kv = states.gather(2, cols.expand(T, -1, -1))
-    score = states.gather(2, (cols + W).expand(T, -1, -1)).masked_fill(~valid[..., None], float("-inf"))
-    compressed = (kv.masked_fill(~valid[..., None], 0.0) * torch.softmax(score, dim=1)).sum(1)
-    normed = compressed * torch.rsqrt(compressed.square().mean(-1, keepdim=True) + rms_norm_eps)
-    normed = normed * rms_norm_weight.float()
     kv_slots = kv_slot_mapping[:T].long()
-    store = ((pos + 1) % ratio == 0) & (kv_slots >= 0)
-    return normed, pos // ratio * ratio, store, kv_slots
+    rows = (((pos + 1) % ratio == 0) & (kv_slots >= 0)).nonzero().squeeze(1)  # (a CPU op: no device to wait on)
+    pos, slots = pos[rows], gather_slots[rows].long()
+    valid = (slots >= 0) & (pos[:, None] - window + 1 + torch.arange(window) >= 0)
+    # element (k, i, c) of the window's kv at flat[slot * 2 W + (i >= ratio) * head + c], its score W further
+    first = slots.clamp(min=0)[..., None] * (2 * W) + (torch.arange(window) >= ratio).long()[:, None] * head
+    at = first + torch.arange(head)                                         # [K, window, head]
+    flat = state_cache.reshape(-1)
+    kv = flat[at].float().masked_fill(~valid[..., None], 0.0)
+    score = flat[at + W].float().masked_fill(~valid[..., None], float("-inf"))
+    compressed = (kv * torch.softmax(score, dim=1)).sum(1)
+    normed = compressed * torch.rsqrt(compressed.square().mean(-1, keepdim=True) + rms_norm_eps)
+    return normed * rms_norm_weight.float(), pos // ratio * ratio, kv_slots[rows]
 
 
 def compress_norm_rope_store(state_cache, gather_slots, positions, kv_slot_mapping, rms_norm_weight, rms_norm_eps,
@@ -122,9 +120,9 @@ def compress_norm_rope_store(state_cache, gather_slots, positions, kv_slot_mappi
     bf16 rope: FlashMLA's 584-byte V4 row) and stored at its compressed slot."""
     if gather_slots.size(0) == 0:
         return
-    normed, at, store, slots = _compress(state_cache, gather_slots, positions, kv_slot_mapping, rms_norm_weight,
-                                         rms_norm_eps, compress_ratio)
-    v4_fp32.store_v4_rows(kv_cache_2d, kv_cache_block_size, slots, store,
+    normed, at, slots = _compress(state_cache, gather_slots, positions, kv_slot_mapping, rms_norm_weight,
+                                  rms_norm_eps, compress_ratio)
+    v4_fp32.store_v4_rows(kv_cache_2d, kv_cache_block_size, slots, slots >= 0,
                           v4_fp32.gptj_rope(normed, at, cos_sin_cache), flush_subnormals=False)
 
 
@@ -136,8 +134,8 @@ def compress_norm_rope_store_indexer(state_cache, gather_slots, positions, kv_sl
     FP8 values, then their fp32 scales)."""
     if gather_slots.size(0) == 0:
         return
-    normed, at, store, slots = _compress(state_cache, gather_slots, positions, kv_slot_mapping, rms_norm_weight,
-                                         rms_norm_eps, compress_ratio)
+    normed, at, slots = _compress(state_cache, gather_slots, positions, kv_slot_mapping, rms_norm_weight,
+                                  rms_norm_eps, compress_ratio)
     D, bs = INDEX_BLOCK_VALUES, kv_cache_block_size
     if normed.size(-1) != D:
         raise ValueError(f"compress_norm_rope_store_indexer_cpu: head dim {normed.size(-1)}, expected {D}")
@@ -147,7 +145,7 @@ def compress_norm_rope_store_indexer(state_cache, gather_slots, positions, kv_sl
     block = kv_cache_2d.view(torch.uint8).view(kv_cache_2d.size(0), -1)
     values = block[:, :bs * D].view(-1, bs, D)
     scales = block[:, bs * D:bs * (D + 4)].view(-1, bs, 4)
-    target = (slots.clamp(min=0) // bs, slots.clamp(min=0) % bs)
+    target, store = (slots // bs, slots % bs), slots >= 0
     write_rows(values, target, store, codes)
     write_rows(scales, target, store, scale.view(-1, 1).view(torch.uint8))
 
