@@ -94,11 +94,14 @@ def test_routing_equals_vllms(g, dtype):
 
 def _compressor_case(g, ratio: int, head: int, length: int):
     """A request's compressor state (``[blocks, block_size, 2 W]``, W = coff x head, in a shuffled block table),
-    its tokens' window slots and their compressed-cache slots (-1 where no group closes)."""
+    its tokens' window slots and their compressed-cache slots (-1 where no group closes).  The state is a view of
+    padded pages, as vLLM's is (not contiguous), the padding NaN."""
     coff, bs = (2, 4) if ratio == 4 else (1, 8)
     W, blocks = coff * head, -(-length // bs) + 2
     table = torch.randperm(blocks, generator=g)
-    state = _randn(g, blocks, bs, 2 * W)
+    pages = torch.full((blocks, bs * 2 * W + 48), float("nan"))
+    state = pages[:, :bs * 2 * W].unflatten(1, (bs, 2 * W))
+    state.copy_(_randn(g, blocks, bs, 2 * W))
     positions = torch.arange(length)
     window = coff * ratio
     local = positions[:, None] - window + 1 + torch.arange(window)

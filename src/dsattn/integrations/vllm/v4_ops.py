@@ -102,12 +102,15 @@ def _compress(state_cache, gather_slots, positions, kv_slot_mapping, rms_norm_we
     rows = (((pos + 1) % ratio == 0) & (kv_slots >= 0)).nonzero().squeeze(1)  # (a CPU op: no device to wait on)
     pos, slots = pos[rows], gather_slots[rows].long()
     valid = (slots >= 0) & (pos[:, None] - window + 1 + torch.arange(window) >= 0)
-    # element (k, i, c) of the window's kv at flat[slot * 2 W + (i >= ratio) * head + c], its score W further
-    first = slots.clamp(min=0)[..., None] * (2 * W) + (torch.arange(window) >= ratio).long()[:, None] * head
-    at = first + torch.arange(head)                                         # [K, window, head]
-    flat = state_cache.reshape(-1)
-    kv = flat[at].float().masked_fill(~valid[..., None], 0.0)
-    score = flat[at + W].float().masked_fill(~valid[..., None], float("-inf"))
+    # the state cache is vLLM's [blocks, block_size, 2 W] view of a padded page (not contiguous: flattening it
+    # would copy every block, ~190 MB a call): each window's states are read by (block, row)
+    block_size = state_cache.size(1)
+    at = slots.clamp(min=0)
+    states = state_cache[at // block_size, at % block_size]                # [K, window, 2 W]
+    # element (k, i, c) of the window's kv at column (i >= ratio) * head + c, its score W further
+    cols = ((torch.arange(window) >= ratio).long()[:, None] * head + torch.arange(head)).expand(at.size(0), -1, -1)
+    kv = states.gather(2, cols).float().masked_fill(~valid[..., None], 0.0)
+    score = states.gather(2, cols + W).float().masked_fill(~valid[..., None], float("-inf"))
     compressed = (kv * torch.softmax(score, dim=1)).sum(1)
     normed = compressed * torch.rsqrt(compressed.square().mean(-1, keepdim=True) + rms_norm_eps)
     return normed * rms_norm_weight.float(), pos // ratio * ratio, kv_slots[rows]
