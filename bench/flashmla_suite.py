@@ -17,15 +17,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import sys
 import time
 
 import torch
 
-# this folder holds bench/profile.py, which would shadow the standard library's profile module: the
-# script does not import its neighbours, so the folder leaves the path
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
 def _cases(which: str, T, max_batch: int, max_sq: int):

@@ -22,11 +22,7 @@ import subprocess
 import sys
 import time
 
-# bench/ holds a profile.py that would shadow the standard library's (transformers imports it)
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-import torch  # noqa: E402
+import torch
 
 HCA, CSA = "heavily_compressed_attention", "compressed_sparse_attention"
 

@@ -30,9 +30,6 @@ import sys
 
 import torch
 
-# this folder holds bench/profile.py, which would shadow the standard library's profile module (vLLM
-# imports cProfile): the script does not import its neighbours, so the folder leaves the path
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
 def block_bytes_2d(cache: torch.Tensor) -> torch.Tensor:

@@ -30,15 +30,16 @@ from collections import defaultdict
 from pathlib import Path
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]   # bench/profile.py shadows cProfile's
 
-PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update")
+PHASES = ("schedule", "prepare_inputs", "metadata", "forward", "sample", "update")
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "aten::_weight_int8pack_mm")
 
 
 def category(op: str) -> str:
     if op.startswith("dsattn::"):
         return "dsattn kernels"
+    if op.startswith("plug-in::"):
+        return "plug-in (cache writes, slots)"
     if op in GEMMS:
         return "GEMMs (projections, MoE, head)"
     if op.startswith("aten::") or op.startswith("prim::"):
@@ -89,8 +90,15 @@ def profile(args) -> dict:
     wrap(core.scheduler, "schedule", "schedule")
     wrap(core.scheduler, "update_from_output", "update")
     wrap(runner, "_prepare_inputs", "prepare_inputs")
+    wrap(runner, "_build_attention_metadata", "metadata")       # the attention backends' builders (the plug-in's)
     wrap(runner, "_model_forward", "forward")
     wrap(runner, "sample_tokens", "sample")
+    # the plug-in's pieces that call dsattn's kernels or write caches outside a torch op of their own
+    from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUAttention
+    from dsattn.integrations.vllm import dsa
+    wrap(dsa.DsattnSparseMLAImpl, "forward_mqa", "dsattn::sparse MLA (forward_mqa)")
+    wrap(dsa.DsattnSparseMLAImpl, "do_kv_cache_update", "plug-in::MLA cache write")
+    wrap(DeepseekV4CPUAttention, "forward_mqa", "dsattn::V4 attention (forward_mqa)")
     engine.add_request("0", {"prompt_token_ids": prompt},
                        SamplingParams(max_tokens=args.steps + 2, temperature=0, ignore_eos=True, detokenize=False))
     kinds = {"prefill": [], "decode": []}
@@ -160,8 +168,9 @@ def main(argv=None) -> int:
         return 0
     print(f"{args.model} at {args.ctx} tokens, {args.dtype}, chunk {args.chunk}, CPU class "
           f"{os.environ.get('DSATTN_CPU_ISA') or 'own'}: median step, ms (share of the step)")
-    names = ["step", *PHASES, "outside the phases (engine loop)", "dsattn kernels", "vLLM kernels",
-             "GEMMs (projections, MoE, head)", "other ATen ops", "Python in the forward (model + plug-in)"]
+    names = ["step", *PHASES, "outside the phases (engine loop)", "dsattn kernels", "plug-in (cache writes, slots)",
+             "vLLM kernels", "GEMMs (projections, MoE, head)", "other ATen ops",
+             "Python in the forward (model + plug-in)"]
     print("| part | " + " | ".join(f"{k} (median of {v['n']})" for k, v in res.items()) + " |")
     print("|---|" + "---|" * len(res))
     for name in names:

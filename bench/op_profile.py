@@ -1,7 +1,7 @@
 """Where the time goes: torch.profiler tables of the default attention path on a decode step
 (V4-Flash CSA, B 32) and a 2K-token CSA prefill, and of the gradient on a 1K-token step.
 
-    .venv/bin/python bench/profile.py
+    .venv/bin/python bench/op_profile.py
 """
 import torch
 
