@@ -6,8 +6,8 @@ into vLLM's own work, the plug-in's and dsattn's kernels.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that torch's profiler sees the
 whole step.  vLLM's step phases are wrapped in ``record_function`` ranges: the scheduler (schedule + update
-from output), input preparation (``_prepare_inputs`` with the attention metadata builders: the plug-in's
-metadata is built there), the model forward and the sampler.  Inside the forward every op's self time is
+from output), input preparation (``_prepare_inputs``), the attention metadata builders (``_build_attention_metadata``:
+the plug-in's metadata is built there), the model forward and the sampler.  Inside the forward every op's self time is
 put in one of: dsattn's kernels (``dsattn::``), vLLM's kernels (``_C::`` and friends), GEMMs (``aten::mm`` /
 ``addmm`` / ``bmm`` / ``linear``: projections, MoE experts, the LM head), other ATen ops (elementwise, copies,
 norms, gathers); the forward's time outside every op is Python (the model's and the plug-in's code around
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(res))
     for name in names:
         cells = [f"{v.get(name, 0.0):.1f} ({100 * v.get(name, 0.0) / v['step']:.0f} %)" for v in res.values()]
-        indent = "&nbsp;&nbsp;" if name in names[7:] else ""
+        indent = "&nbsp;&nbsp;" if name in names[len(PHASES) + 2:] else ""
         print(f"| {indent}{name} | " + " | ".join(cells) + " |")
     ops = sorted({k for v in res.values() for k in v if k.startswith("op ")},
                  key=lambda k: -max(v.get(k, 0.0) for v in res.values()))
