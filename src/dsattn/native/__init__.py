@@ -1,16 +1,18 @@
-"""The compiled kernel layer (issue 15): C++ built on first use with ``torch.utils.cpp_extension``.
+"""The compiled kernel layer (issue 15): C++ shipped built in the wheel, or built on first use.
 
-Why a build on first use rather than at ``pip install``: the extension is compiled against the
-torch that is actually imported (a wheel built against another torch version would not load), it
-needs no build-time torch in pip's isolated build environment, and the package installs on a
-machine without a compiler.  The build takes ~30-60 s once; the result is cached under
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in a directory keyed by the sources,
-the flags, the compiler and the torch version; concurrent processes wait on one build under a lock
-that dies with its holder, and a killed build is never loaded (:mod:`dsattn.native.build`).
+A wheel (``pip wheel .`` / ``pip install .``: ``setup.py``) holds the layer as ``dsattn/_native``, built against
+one torch minor version, with ``_native_build.json`` beside it (that torch, and a key of the sources it was built
+from).  :func:`load` imports it where the running torch and the installed sources match, with no compiler needed
+and no build.  Otherwise (a source checkout, an edited one, another torch) the layer is built on first use with
+``torch.utils.cpp_extension`` (a C++ compiler and ninja needed; a few minutes, said on stderr before it starts),
+cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in a directory keyed by the
+sources, the flags, the compiler and the torch version; concurrent processes wait on one build under a lock that
+dies with its holder, and a killed build is never loaded (:mod:`dsattn.native.build`).  Where the wheel's
+module cannot be used, one ``RuntimeWarning`` names why (the two torch versions, or the import error).
 
-``DSATTN_NATIVE=0`` skips it (the PyTorch / NumPy paths run); if the build fails (no compiler,
+``DSATTN_NATIVE=0`` skips the layer (the PyTorch / NumPy paths run); if the build fails (no compiler,
 no ninja) one ``RuntimeWarning`` says so and the same fallback runs.  :func:`status` says which
-path is active (``dsattn bench --which``).
+path is active and where the module came from (``dsattn bench --which``).
 
 The GEMMs run on half-precision operands where the CPU multiplies them natively: AMX (oneDNN's
 ukernel, bf16 and fp16), else AVX512-BF16 (bf16: dsattn's register-tiled vdpbf16ps micro-kernel, or
@@ -27,8 +29,8 @@ import contextlib
 import os
 import warnings
 
-_SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp", "matmul.cpp", "sharedkv.cpp", "flashmla.cpp", "kv_quant.cpp")
-_HEADERS = ("attention.h", "common.h", "fp8.h", "gemm.h", "isa.h", "keys.h")
+from .sources import BUILD_INFO, CFLAGS, HEADERS, LDFLAGS, SOURCES, paths, sources_key
+
 _state: dict = {}
 
 
@@ -37,15 +39,45 @@ def requested() -> bool:
     return os.environ.get("DSATTN_NATIVE", "1").strip() not in ("0", "false", "off", "no")
 
 
-# -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled here (without
-# the flag the rows would run on one thread); torch itself links the same libgomp.
-_CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+def prebuilt_info() -> dict | None:
+    """``_native_build.json`` of the wheel's module (the torch it was built against, its sources' key), or None
+    where this install holds no built module."""
+    import json
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), BUILD_INFO)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
-def _paths(names) -> list[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return [os.path.join(here, s) for s in names]
+def _load_prebuilt():
+    """The wheel's module, or None with the reason in ``_state["prebuilt"]`` (said once, as a warning, where the
+    module exists but cannot serve: another torch, or an import error)."""
+    info = prebuilt_info()
+    if info is None:
+        _state["prebuilt"] = "no compiled layer installed"
+        return None
+    import torch
+    if info.get("torch") != torch.__version__:
+        why = (f"the installed compiled layer was built for torch {info.get('torch')}, and this is torch "
+               f"{torch.__version__}")
+    elif info.get("sources_key") != sources_key():
+        _state["prebuilt"] = "the sources differ from the installed compiled layer's (an edited checkout)"
+        return None
+    else:
+        try:
+            from .. import _native
+            _state["prebuilt"] = f"the wheel's module ({_native.__file__})"
+            return _native
+        except (ImportError, OSError) as exc:
+            why = f"the installed compiled layer (torch {info.get('torch')}) does not load: {exc}"
+    _state["prebuilt"] = why
+    _state["no_build"] = not compiler_available()
+    then = ("no C++ compiler to build it for this torch: the PyTorch / NumPy paths run" if _state["no_build"] else
+            "building it for this torch on first use (a few minutes)")
+    warnings.warn(f"dsattn: {why}; {then}", RuntimeWarning, stacklevel=3)
+    return None
 
 
 @contextlib.contextmanager
@@ -109,10 +141,16 @@ def load():
     from .build import build_and_load
     gemm = gemm_requested()                          # (a bad value is the caller's error, not a build failure)
     isa.requested()                                  # (likewise DSATTN_CPU_ISA's)
+    module = _load_prebuilt()
+    if module is None and _state.get("no_build"):  # (said once, by _load_prebuilt)
+        _state.update(module=None, error=_state["prebuilt"])
+        return None
     try:
-        module, _ = build_and_load("dsattn_native", _paths(_SOURCES), _paths(_HEADERS), _CFLAGS, _LDFLAGS,
-                                   announce="dsattn: building the compiled kernel layer (once per version of "
-                                            "its sources, torch and compiler; about a minute)...")
+        if module is None:
+            module, _ = build_and_load("dsattn_native", paths(SOURCES), paths(HEADERS), list(CFLAGS), list(LDFLAGS),
+                                       announce="dsattn: building the compiled kernel layer (" + _state["prebuilt"]
+                                                + "; once per version of its sources, torch and compiler: 3-5 "
+                                                  "minutes on two cores)...")
         _state.update(module=module, error=None)
     except Exception as exc:                        # no compiler / ninja, or a build error
         first = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -134,9 +172,17 @@ def kernels():
 
 
 def compiler_available() -> bool:
-    """A C++ compiler cpp_extension would use (``CXX``, else ``c++``) is on the PATH."""
+    """A C++ compiler cpp_extension would use (``CXX``, else ``c++``) is on the PATH and answers ``--version``."""
     import shutil
-    return shutil.which(os.environ.get("CXX", "c++")) is not None
+    import subprocess
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        return False
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, timeout=30,
+                              stdin=subprocess.DEVNULL).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def status() -> str:
@@ -148,6 +194,8 @@ def status() -> str:
     module = load()
     if module is None:
         return f"native: unavailable ({_state.get('error')}): PyTorch / NumPy paths"
-    return ("native: loaded (C++ planner, CPU attention forward and backward, CPU indexer, CPU compressor pooling); "
-            f"running as CPU class {module.cpu_isa()}" + (f" (capped; the CPU's own: {module.cpu_isa_own()})"
+    origin = _state.get("prebuilt", "")
+    origin = origin if origin.startswith("the wheel") else "built on first use"
+    return ("native: loaded (C++ planner, CPU attention forward and backward, CPU indexer, CPU compressor pooling; "
+            f"{origin}); running as CPU class {module.cpu_isa()}" + (f" (capped; the CPU's own: {module.cpu_isa_own()})"
                                                           if module.cpu_isa() != module.cpu_isa_own() else ""))

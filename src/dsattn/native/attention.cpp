@@ -259,11 +259,12 @@ inline KeyRef packed_key(const PackedFormat& f, int64_t t) {
 using dsattn_native::cpu_has_avx512bw;
 using dsattn_native::dequant_tile_fp8;
 using dsattn_native::fp8_e4m3fn_float;
-using dsattn_native::fp8x16_float_avx512;
 using DequantFp8 = dsattn_native::DequantFp8;
+using dsattn_native::dequant_tile_fp8_scalar;
+#if DSATTN_X86
+using dsattn_native::fp8x16_float_avx512;
 using dsattn_native::dequant_tile_fp8_avx2;
 using dsattn_native::dequant_tile_fp8_avx512;
-using dsattn_native::dequant_tile_fp8_scalar;
 
 // The same decode and scale with the product rounded to bf16 (round to nearest even, NaN to 0x7FC0,
 // as bf16_bits) in registers: the gather of a bf16 query's fp8 keys writes the ring row at once,
@@ -283,6 +284,7 @@ void dequant_tile_fp8_bf16_avx512(const uint8_t* __restrict__ x, int64_t n, floa
   }
   for (; d < n; ++d) out[d] = bf16_bits(fp8_e4m3fn_float(x[d]) * scale);
 }
+#endif
 
 DSATTN_VECTOR_BODY void dequant_tile_int8_body(const int8_t* __restrict__ x, int64_t n, float scale, float* __restrict__ out) {
   for (int64_t d = 0; d < n; ++d) out[d] = static_cast<float>(x[d]) * scale;
@@ -323,8 +325,10 @@ bool fp8_codes_match() {
   uint8_t codes[256];
   for (int c = 0; c < 256; ++c) codes[c] = static_cast<uint8_t>(c);
   std::vector<DequantFp8> versions{dequant_tile_fp8_scalar};
+#if DSATTN_X86
   if (dsattn_native::isa_has(dsattn_native::ISA_AVX2)) versions.push_back(dequant_tile_fp8_avx2);
   if (cpu_has_avx512bw()) versions.push_back(dequant_tile_fp8_avx512);
+#endif
   for (const DequantFp8 version : versions) {
     float got[256];
     version(codes, 256, 1.0f, got);
@@ -336,6 +340,7 @@ bool fp8_codes_match() {
   }
   // the fused bf16 decode: the bits of the two-pass one, for every code at scales whose products are
   // normal, subnormal (ue8m0 2^-127), rounded up and NaN
+#if DSATTN_X86
   if (cpu_has_avx512bw()) {
     const float scales[] = {1.0f, 0.0123f, 0x1p-127f, 3.0f / 7.0f, 448.0f, std::numeric_limits<float>::quiet_NaN()};
     for (const float scale : scales) {
@@ -349,6 +354,7 @@ bool fp8_codes_match() {
         return false;
     }
   }
+#endif
   return true;
 }
 
@@ -488,11 +494,14 @@ struct RowAttention {
     if (k.fmt == nullptr) return copy_row(reinterpret_cast<const scalar_t*>(k.payload), to);
     const PackedFormat& f = *k.fmt;
     if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<mm_t, at::BFloat16>) {
+#if DSATTN_X86
       if (f.fp8 && fp8_to_bf16_in_registers) {
         for (int64_t t = 0; t < f.N / f.tile; ++t)
           dequant_tile_fp8_bf16_avx512(k.payload + t * f.tile, f.tile, tile_scale(k, t),
                                        reinterpret_cast<uint16_t*>(to) + t * f.tile);
-      } else {
+      } else
+#endif
+      {
         dequant_nope(k, vals);
         round_to_bf16(vals, f.N, reinterpret_cast<uint16_t*>(to));
       }

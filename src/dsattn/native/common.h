@@ -6,7 +6,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "isa.h"
+#if DSATTN_X86
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -141,6 +144,7 @@ using Buffer = std::vector<T, CacheLineAllocator<T>>;
 // query row's q^T panel is 64 KB, larger than L1, so the naive loop waited on L2 for every word.
 // 16 x 16 tiles are transposed in registers instead.
 
+#if DSATTN_X86
 // dst[c, r] = src[r, c] for one 16 x 16 tile: 32-bit pairs, then 64-bit pairs, then 128-bit lanes.
 __attribute__((target("avx512f"))) inline void transpose_tile16_avx512(const uint32_t* src, int64_t ls, uint32_t* dst,
                                                                       int64_t ld) {
@@ -168,6 +172,7 @@ __attribute__((target("avx512f"))) inline void transpose_tile16_avx512(const uin
   }
   for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * ld, r[i]);
 }
+#endif
 
 inline void transpose_tile16_scalar(const uint32_t* src, int64_t ls, uint32_t* dst, int64_t ld) {
   for (int64_t r0 = 0; r0 < 16; r0 += 4)            // 4-row strips: each dst line is written 4 words at a time
@@ -178,9 +183,13 @@ inline void transpose_tile16_scalar(const uint32_t* src, int64_t ls, uint32_t* d
 using TransposeTile = void (*)(const uint32_t*, int64_t, uint32_t*, int64_t);
 
 inline TransposeTile best_transpose_tile() {
+#if DSATTN_X86
   static const TransposeTile tile =
       isa_has(ISA_AVX512) ? transpose_tile16_avx512 : transpose_tile16_scalar;
   return tile;
+#else
+  return transpose_tile16_scalar;
+#endif
 }
 
 // dst[c * ld + r] = src[r * ls + c] for r < rows, c < cols (32-bit elements): 16 x 16 tiles where
@@ -204,7 +213,9 @@ inline bool transposes_match(int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) want[c * ld + r] = src[r * ls + c];
   std::vector<TransposeTile> tiles{transpose_tile16_scalar};
+#if DSATTN_X86
   if (isa_has(ISA_AVX512)) tiles.push_back(transpose_tile16_avx512);
+#endif
   bool ok = true;
   for (TransposeTile tile : tiles) {
     std::vector<uint32_t> got(cols * ld, 0);

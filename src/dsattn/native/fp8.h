@@ -3,9 +3,10 @@
 // translation unit.
 #pragma once
 
-#include <immintrin.h>
-
 #include "isa.h"
+#if DSATTN_X86
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <limits>
@@ -30,6 +31,7 @@ inline void dequant_tile_fp8_scalar(const uint8_t* __restrict__ x, int64_t n, fl
 }
 
 // 16 fp8 e4m3fn codes -> their exact fp32 values (the steps of fp8_e4m3fn_float, 16 lanes at a time).
+#if DSATTN_X86
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 fp8x16_float_avx512(const uint8_t* x) {
   const __m512 sub_unit = _mm512_set1_ps(0x1p-9f);
   const __m512i low7 = _mm512_set1_epi32(0x7F), bias = _mm512_set1_epi32(120 << 23), eight = _mm512_set1_epi32(8),
@@ -69,6 +71,7 @@ inline void dequant_tile_fp8_avx2(const uint8_t* __restrict__ x, int64_t n, floa
   }
   dequant_tile_fp8_scalar(x + d, n - d, scale, out + d);
 }
+#endif
 
 // 64 fp8 e4m3fn codes -> their exact bf16 values by table (AVX-512 VBMI: Zen 4 and Ice Lake on): the two
 // bytes of each magnitude's bf16 are looked up in 128-entry byte tables (one vpermi2b each), the sign is
@@ -93,6 +96,7 @@ inline const Fp8Bf16Tables& fp8_bf16_tables() {
   return tables;
 }
 
+#if DSATTN_X86
 // (the tables are read as memory operands: a caller with its registers taken, a GEMM tile, keeps them)
 __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) inline void fp8x64_bf16_vbmi(
     const uint8_t* x, uint16_t* out, const Fp8Bf16Tables& t) {
@@ -104,6 +108,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) inline voi
   _mm512_storeu_si512(out, _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.order[0]), hi));
   _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.order[1]), hi));
 }
+#endif
 
 using DequantFp8 = void (*)(const uint8_t*, int64_t, float, float*);
 
@@ -112,8 +117,10 @@ inline bool cpu_has_avx512bw() { return isa_has(ISA_AVX512); }
 
 // chosen once per process, from what the CPU runs
 inline DequantFp8 dequant_tile_fp8_best() {
+#if DSATTN_X86
   if (cpu_has_avx512bw()) return dequant_tile_fp8_avx512;
   if (isa_has(ISA_AVX2)) return dequant_tile_fp8_avx2;
+#endif
   return dequant_tile_fp8_scalar;
 }
 

@@ -21,9 +21,10 @@
 #include <c10/util/Half.h>
 #include <c10/util/Exception.h>
 
-#include <immintrin.h>
-
 #include "isa.h"
+#if DSATTN_X86
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -100,10 +101,11 @@ struct LinePrefetch {
   const char* const* next = nullptr;
   const char* const* end = nullptr;
   __attribute__((always_inline)) void step(int64_t) {
-    if (next != end) _mm_prefetch(*next++, _MM_HINT_T1);
+    if (next != end) __builtin_prefetch(*next++, 0, 2);     // (x86: prefetcht1)
   }
 };
 
+#if DSATTN_X86
 // ---- the AVX512-BF16 micro-kernel ----
 //
 // A tile of MR <= 6 rows x 16 NV <= 64 columns of C lives in MR x NV zmm accumulators (24 for the
@@ -217,6 +219,13 @@ inline void dpbf16_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ld
     }
   }
 }
+#else   // !DSATTN_X86: no vdpbf16ps (gemm_kind never picks the micro-kernel here)
+template <typename Side = LinePrefetch>
+inline void dpbf16_gemm(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const uint16_t*, const uint16_t*,
+                        float*, Side* = nullptr) {
+  TORCH_CHECK(false, "dpbf16_gemm: the AVX512-BF16 micro-kernel is built on x86-64 only");
+}
+#endif  // DSATTN_X86
 
 #if DSATTN_HAVE_BRGEMM
 // ---- the kernels' GEMM call ----

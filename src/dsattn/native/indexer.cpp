@@ -21,9 +21,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 
-#include <immintrin.h>
-
 #include "common.h"
+#if DSATTN_X86
+#include <immintrin.h>
+#endif
 #include "fp8.h"
 
 #include <algorithm>
@@ -79,6 +80,7 @@ inline float tree16(const float* p) {
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+#if DSATTN_X86
 // The lane sums of 16 vectors as one vector: lane j holds tree16 of v[j]'s lanes.  A tree of
 // shuffles and adds (45 instructions) where 16 separate horizontal sums would take about 130.
 __attribute__((target("avx512f"))) inline __m512 lane_sums16(__m512 v[16]) {
@@ -156,6 +158,7 @@ __attribute__((target("avx512f"))) void head_sum_heads_avx512(const float* c, in
     _mm512_mask_storeu_ps(out + j, m, _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3])));
   }
 }
+#endif
 
 // Without AVX-512: the same lanes and tree, one key at a time (fma() is the same fused step).
 void head_sum_keys_scalar(const float* c, int64_t M, int64_t Hp, const float* w, float* out) {
@@ -181,13 +184,21 @@ using HeadSumHeads = void (*)(const float*, int64_t, int64_t, int64_t, const flo
 
 // out[j] = sum_h w[h] * relu(c[j, h]) over Hp heads, c key-major [M, Hp] (w zero past the real heads)
 void head_sum_keys(const float* c, int64_t M, int64_t Hp, const float* w, float* out) {
-  static const HeadSumKeys fn = dsattn_native::isa_has(dsattn_native::ISA_AVX512) ? head_sum_keys_avx512 : head_sum_keys_scalar;
+  static const HeadSumKeys fn =
+#if DSATTN_X86
+      dsattn_native::isa_has(dsattn_native::ISA_AVX512) ? head_sum_keys_avx512 :
+#endif
+      head_sum_keys_scalar;
   fn(c, M, Hp, w, out);
 }
 
 // out[j] = sum_h w[h] * relu(c[h, j]) for j < n over H rows of c (row stride ldc): the same bits
 void head_sum_by_rows(const float* c, int64_t H, int64_t ldc, int64_t n, const float* w, float* out) {
-  static const HeadSumHeads fn = dsattn_native::isa_has(dsattn_native::ISA_AVX512) ? head_sum_heads_avx512 : head_sum_heads_scalar;
+  static const HeadSumHeads fn =
+#if DSATTN_X86
+      dsattn_native::isa_has(dsattn_native::ISA_AVX512) ? head_sum_heads_avx512 :
+#endif
+      head_sum_heads_scalar;
   fn(c, H, ldc, n, w, out);
 }
 
@@ -208,7 +219,9 @@ bool head_sums_match(int64_t H, int64_t n) {
     }
   std::vector<HeadSumKeys> key_fns{head_sum_keys_scalar};
   std::vector<HeadSumHeads> head_fns{head_sum_heads_scalar};
+#if DSATTN_X86
   if (dsattn_native::isa_has(dsattn_native::ISA_AVX512)) key_fns.push_back(head_sum_keys_avx512), head_fns.push_back(head_sum_heads_avx512);
+#endif
   head_sum_keys_scalar(keys.data(), n, Hp, w.data(), want.data());
   auto same = [&] { return std::memcmp(want.data(), got.data(), n * sizeof(float)) == 0; };
   bool ok = true;
@@ -317,6 +330,7 @@ size_t enter_scalar(const float* scores, int64_t count, int64_t first, float bar
   return size;
 }
 
+#if DSATTN_X86
 // The same 16 scores at a time: one compare gives the lanes that enter (none, in most chunks once the
 // bar has risen), and their keys are built and compress-stored in order.  A scalar append costs a
 // dependent store per score: 3.5 of 10.8 ms of a B 32 x 32K decode with its keys in cache.
@@ -352,10 +366,15 @@ __attribute__((target("avx512f"))) size_t enter_avx512(const float* scores, int6
   }
   return size + enter_scalar(scores + j, count - j, first + j, bar, open, out + size);
 }
+#endif
 
 using Enter = size_t (*)(const float*, int64_t, int64_t, float, bool, uint64_t*);
 Enter enter() {
-  static const Enter fn = dsattn_native::isa_has(dsattn_native::ISA_AVX512) ? enter_avx512 : enter_scalar;
+  static const Enter fn =
+#if DSATTN_X86
+      dsattn_native::isa_has(dsattn_native::ISA_AVX512) ? enter_avx512 :
+#endif
+      enter_scalar;
   return fn;
 }
 
@@ -447,6 +466,7 @@ inline uint16_t code_bf16_bits(uint8_t c, bool fp8) {
   return static_cast<uint16_t>(__builtin_bit_cast(uint32_t, code_value(c, fp8)) >> 16);
 }
 
+#if DSATTN_X86
 // 32 fp8 e4m3fn codes at a time to bf16, in 16-bit lanes: a normal code's exponent is rebiased by 120
 // and its 3 mantissa bits move up by 4; a subnormal one (m x 2^-9, m < 8) is looked up; 0x7F is NaN.
 __attribute__((target("avx512f,avx512bw"))) void fp8_codes_bf16_avx512(const uint8_t* x, int64_t n, uint16_t* out) {
@@ -482,6 +502,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void fp8_rows_bf16_vbmi(c
 }
 
 void fp8_codes_bf16_vbmi(const uint8_t* x, int64_t n, uint16_t* out) { fp8_rows_bf16_vbmi(x, n, 1, n, out, n); }
+#endif
 
 bool cpu_has_avx512vbmi() { return dsattn_native::isa_has_avx512vbmi(); }
 
@@ -497,7 +518,7 @@ struct RowPrefetch {
   const char* at = nullptr;
   int64_t step = 0, rows = 0, lines = 1;    // rows of ``lines`` cache lines, ``step`` bytes apart
   __attribute__((always_inline)) void one() {
-    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(at + 64 * l, _MM_HINT_T1);
+    for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(at + 64 * l, 0, 2);     // (x86: prefetcht1)
     at += step, --rows;
   }
   void finish() {
@@ -524,21 +545,26 @@ struct Fp8RowDecode {
     return d;
   }
 
-  __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) void one() {
+  DSATTN_TARGET("avx512f,avx512bw,avx512vbmi") __attribute__((always_inline)) void one() {
+#if DSATTN_X86
     dsattn_native::fp8x64_bf16_vbmi(src, dst, *tables);
+#else   // (never run: the side work of the x86 micro-kernel only; the same bits)
+    for (int64_t i = 0; i < 64; ++i) dst[i] = code_bf16_bits(src[i], true);
+#endif
     src += 64, dst += 64, --left;
     if (++part == groups_per_row) part = 0, src += src_skip, dst += dst_skip;
   }
-  __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) void step(int64_t kp) {
+  DSATTN_TARGET("avx512f,avx512bw,avx512vbmi") __attribute__((always_inline)) void step(int64_t kp) {
     if (kp % DECODE_EVERY == 0 && left > 0) one();
     if (kp % DECODE_EVERY == DECODE_EVERY / 2 && ahead.rows > 0) ahead.one();
   }
   // what the tiles' K steps left
-  __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void finish() {
+  DSATTN_TARGET("avx512f,avx512bw,avx512vbmi") void finish() {
     while (left > 0) one();
   }
 };
 
+#if DSATTN_X86
 // 32 int8 codes at a time to bf16 (exact: |code| <= 128 has at most 8 significant bits)
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int8_codes_bf16_avx512(const uint8_t* x, int64_t n,
                                                                                    uint16_t* out) {
@@ -550,15 +576,18 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int8_codes_bf16_avx5
   }
   for (; d < n; ++d) out[d] = code_bf16_bits(x[d], false);
 }
+#endif
 
 template <typename mm_t>
 void decode_codes(const uint8_t* x, int64_t n, bool fp8, mm_t* out) {
   if constexpr (std::is_same_v<mm_t, c10::BFloat16>) {
+#if DSATTN_X86
     const bool bw = dsattn_native::cpu_has_avx512bw();
     const bool bf16 = dsattn_native::isa_has(dsattn_native::ISA_AVX512_BF16);
     if (fp8 && cpu_has_avx512vbmi()) return fp8_codes_bf16_vbmi(x, n, reinterpret_cast<uint16_t*>(out));
     if (fp8 && bw) return fp8_codes_bf16_avx512(x, n, reinterpret_cast<uint16_t*>(out));
     if (!fp8 && bf16) return int8_codes_bf16_avx512(x, n, reinterpret_cast<uint16_t*>(out));
+#endif
     auto* bits = reinterpret_cast<uint16_t*>(out);
     for (int64_t d = 0; d < n; ++d) bits[d] = code_bf16_bits(x[d], fp8);
     return;
@@ -694,8 +723,10 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
       const uint8_t* codes = quant->codes(first);
       const int64_t cs = quant->code_step();
       if constexpr (std::is_same_v<mm_t, c10::BFloat16>) {
+#if DSATTN_X86
         if (quant->fp8 && cpu_has_avx512vbmi())           // (the rows at once: the tables loaded once)
           return fp8_rows_bf16_vbmi(codes + j0 * cs, cs, j1 - j0, D, reinterpret_cast<uint16_t*>(widened.data() + j0 * Dp), Dp);
+#endif
       }
       for (int64_t j = j0; j < j1; ++j) decode_codes<mm_t>(codes + j * cs, D, quant->fp8, widened.data() + j * Dp);
     };
@@ -750,7 +781,7 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
           const int64_t nf = kp.row(bp[t], j1);
           const char* scales = reinterpret_cast<const char*>(quant->scale_at(nf));
           const int64_t ss = 4 * quant->scale_step();
-          for (int64_t j = 0; j < nv; j += 16) _mm_prefetch(scales + j * ss, _MM_HINT_T1);
+          for (int64_t j = 0; j < nv; j += 16) __builtin_prefetch(scales + j * ss, 0, 2);
           ahead = RowPrefetch{reinterpret_cast<const char*>(quant->codes(nf)), quant->code_step(), nv, (D + 63) / 64};
           if (!fused_decode) ahead.finish();
         }
@@ -763,7 +794,7 @@ void topk_rows(const at::Tensor& q, const scalar_t* kr, int64_t Nk, const QuantK
           const int64_t ms = std::min(slice, M - m0);
           if (rows_direct) {
             const char* from = reinterpret_cast<const char*>(ka + m0 * Dp);
-            for (int64_t b = 0; b < ms * Dp * static_cast<int64_t>(sizeof(mm_t)); b += 64) _mm_prefetch(from + b, _MM_HINT_T1);
+            for (int64_t b = 0; b < ms * Dp * static_cast<int64_t>(sizeof(mm_t)); b += 64) __builtin_prefetch(from + b, 0, 2);
           }
           if (quant != nullptr && !fused_decode) decode_codes_rows(first, m0, std::min(m0 + ms, valid));
           Fp8RowDecode next;                   // the slice after this one: of this chunk, or the next chunk's first
@@ -1017,6 +1048,7 @@ bool indexer_codes_match() {
     for (int c = 0; c < 256 + 37; ++c)
       ok = ok && same(f[c], want(codes[c])) && same(static_cast<float>(bf[c]), want(codes[c])) &&
            same(static_cast<float>(hf[c]), want(codes[c]));
+#if DSATTN_X86
     if (fp8 && dsattn_native::cpu_has_avx512bw()) {        // each vector decode this CPU runs, directly
       uint16_t a[256 + 37], b[256 + 37];
       fp8_codes_bf16_avx512(codes, 256 + 37, a);
@@ -1026,6 +1058,7 @@ bool indexer_codes_match() {
         ok = ok && std::memcmp(b, bf, sizeof(b)) == 0;
       }
     }
+#endif
     uint16_t scalar[37];                                  // the scalar tails alone
     for (int c = 0; c < 37; ++c)
       scalar[c] = code_bf16_bits(codes[c], fp8);

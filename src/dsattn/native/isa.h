@@ -17,6 +17,16 @@
 // and the CPU's class); here an unknown value caps nothing.
 #pragma once
 
+// DSATTN_X86: the x86-64 paths (intrinsics, target attributes, cpuid) are built; elsewhere (aarch64, ...) only the
+// generic code, which every x86 path falls back to, and isa_has() answers false for every vector class.
+#if defined(__x86_64__)
+#define DSATTN_X86 1
+#define DSATTN_TARGET(isa) __attribute__((target(isa)))
+#else
+#define DSATTN_X86 0
+#define DSATTN_TARGET(isa)
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
