@@ -29,8 +29,7 @@ def native_build() -> dict:
     class BuildNative(BuildExtension):
         def run(self):
             super().run()
-            info = dict(torch=torch.__version__, sources_key=native["sources_key"](),
-                        cxx_abi=int(torch._C._GLIBCXX_USE_CXX11_ABI))
+            info = dict(torch=torch.__version__, sources_key=native["sources_key"]())
             for root in {self.build_lib, *(["src"] if self.inplace else [])}:
                 target = Path(root) / "dsattn" / native["BUILD_INFO"]
                 if target.parent.is_dir():

@@ -68,7 +68,7 @@ def _load_prebuilt():
     else:
         try:
             from .. import _native
-            _state["prebuilt"] = f"the wheel's module ({_native.__file__})"
+            _state.update(prebuilt=f"the wheel's module ({_native.__file__})", from_wheel=True)
             return _native
         except (ImportError, OSError) as exc:
             why = f"the installed compiled layer (torch {info.get('torch')}) does not load: {exc}"
@@ -194,8 +194,7 @@ def status() -> str:
     module = load()
     if module is None:
         return f"native: unavailable ({_state.get('error')}): PyTorch / NumPy paths"
-    origin = _state.get("prebuilt", "")
-    origin = origin if origin.startswith("the wheel") else "built on first use"
+    origin = _state["prebuilt"] if _state.get("from_wheel") else "built on first use"
     return ("native: loaded (C++ planner, CPU attention forward and backward, CPU indexer, CPU compressor pooling; "
             f"{origin}); running as CPU class {module.cpu_isa()}" + (f" (capped; the CPU's own: {module.cpu_isa_own()})"
                                                           if module.cpu_isa() != module.cpu_isa_own() else ""))

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.util
 import json
 import os
@@ -41,12 +40,9 @@ def _compiler_line() -> str:
 def build_key(sources: list[str], headers: list[str], cflags: list[str], ldflags: list[str]) -> str:
     """A hash of everything the build depends on (16 hex digits)."""
     import torch
-    h = hashlib.sha256(json.dumps([torch.__version__, sys.version, _compiler_line(), cflags, ldflags]).encode())
-    for path in list(sources) + list(headers):
-        h.update(os.path.basename(path).encode())
-        with open(path, "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:16]
+    from .sources import files_digest
+    return files_digest(list(sources) + list(headers),
+                        json.dumps([torch.__version__, sys.version, _compiler_line(), cflags, ldflags]).encode())
 
 
 def extensions_root() -> str:

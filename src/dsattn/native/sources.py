@@ -24,12 +24,17 @@ def paths(names) -> list[str]:
     return [os.path.join(HERE, n) for n in names]
 
 
-def sources_key() -> str:
-    """A hash of the sources, headers and flags (16 hex digits): a prebuilt module whose key differs was built
-    from other sources (an edited checkout) and is not loaded."""
-    h = hashlib.sha256(repr((CFLAGS, LDFLAGS)).encode())
-    for path in paths(SOURCES + HEADERS):
+def files_digest(paths_, seed: bytes) -> str:
+    """A hash of ``seed`` and each file's name and bytes (16 hex digits): the build keys' common part."""
+    h = hashlib.sha256(seed)
+    for path in paths_:
         h.update(os.path.basename(path).encode())
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
+
+
+def sources_key() -> str:
+    """A hash of the sources, headers and flags: a prebuilt module whose key differs was built from other sources
+    (an edited checkout) and is not loaded."""
+    return files_digest(paths(SOURCES + HEADERS), repr((CFLAGS, LDFLAGS)).encode())
