@@ -14,8 +14,8 @@ norms, gathers); the forward's time outside every op is Python (the model's and 
 the ops).  Per phase: milliseconds of the median step and shares of the step.
 
 Models: ``v32`` is issue 42's tiny DeepSeek-V3.2 with the real attention widths (``bench/llamacpp.py``'s
-checkpoint: 128 heads, latent 512 + rope 64, indexer 64 x 128, top-2048); ``v4`` is ``vllm_serve.py``'s
-V4-Flash attention.  Random weights, nothing downloaded.
+checkpoint: 128 heads, latent 512 + rope 64, indexer 64 x 128, top-2048); ``v4`` is ``bench/llamacpp.py``'s V4
+(V4-Flash's attention, a CSA + an HCA layer, 64 FP4 routed experts held in float32).  Random weights, nothing downloaded.
 """
 from __future__ import annotations
 
@@ -64,13 +64,9 @@ def model_dir(kind: str, path: Path, dtype: str) -> tuple[Path, int]:
     if kind == "v32":
         import llamacpp
         return llamacpp.write_v32(path), llamacpp.V32_WIDTHS["vocab_size"]
-    import vllm_serve
-    from dsattn.integrations.vllm import tiny
-    cfg = vllm_serve.v4_flash_attention(1, dtype)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    tiny.write_tokenizer(path, cfg["vocab_size"])
-    return path, cfg["vocab_size"]
+    import llamacpp
+    dense, _ = llamacpp.write_v4(path)           # the V4 model llamacpp.py serves (FP4 experts held in float32)
+    return dense, json.loads((dense / "config.json").read_text())["vocab_size"]
 
 
 def profile(args) -> dict:
@@ -79,7 +75,7 @@ def profile(args) -> dict:
     from vllm import LLM, SamplingParams
     path, vocab = model_dir(args.model, Path(tempfile.mkdtemp(prefix="dsattn-profile-")), args.dtype)
     prompt = torch.randint(3, vocab, (args.ctx,), generator=torch.Generator().manual_seed(0)).tolist()
-    llm = LLM(model=str(path), load_format="dummy" if args.model == "v4" else "auto", skip_tokenizer_init=True,
+    llm = LLM(model=str(path), load_format="auto", skip_tokenizer_init=True,
               dtype=args.dtype, enforce_eager=True, max_model_len=args.ctx + args.steps + 16,
               max_num_batched_tokens=args.chunk, enable_chunked_prefill=True, max_num_seqs=1,
               enable_prefix_caching=False,

@@ -18,6 +18,13 @@ pytestmark = needs_vllm_v4_kernels          # (each test compares against vLLM's
 HC, D = 4, 256
 
 
+# the dtype our versions get the same values in: bf16 runs their PyTorch, float32 dsattn's compiled layer where
+# it is loaded (the path a float32 model takes)
+@pytest.fixture(params=[torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+def as_dtype(request):
+    return request.param
+
+
 @pytest.fixture
 def g():
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
@@ -44,28 +51,29 @@ def _mhc_weights(g, T):
     return x, fn, _randn(g, 3, scale=0.5).abs() + 0.5, _randn(g, (2 + HC) * HC, scale=0.3)
 
 
-def test_hc_pre_equals_vllms_kernel(g):
+def test_hc_pre_equals_vllms_kernel(g, as_dtype):
     x, fn, scale, base = _mhc_weights(g, 37)
     want = torch.ops._C.hc_pre_fused_cpu(x, fn, scale, base, HC, 20, 1e-6, 1e-6)
-    got = v4_fp32.hc_pre(x, fn, scale, base, HC, 20, 1e-6, 1e-6)
+    got = v4_fp32.hc_pre(x.to(as_dtype), fn, scale, base, HC, 20, 1e-6, 1e-6)
     _close_bf16(got[0], want[0])
     for a, b in zip(got[1:], want[1:]):
         assert a.shape == b.reshape(a.shape).shape
         torch.testing.assert_close(a, b.reshape(a.shape).float(), rtol=1e-4, atol=1e-5)
 
 
-def test_hc_post_equals_vllms_kernel(g):
+def test_hc_post_equals_vllms_kernel(g, as_dtype):
     T = 29
     x, res = _randn(g, T, D).to(torch.bfloat16), _randn(g, T, HC, D).to(torch.bfloat16)
     post, comb = torch.rand(T, HC, generator=g) * 2, torch.rand(T, HC, HC, generator=g)
-    _close_bf16(v4_fp32.hc_post(x, res, post, comb), torch.ops._C.hc_post_fused_cpu(x, res, post, comb))
+    _close_bf16(v4_fp32.hc_post(x.to(as_dtype), res.to(as_dtype), post, comb),
+                torch.ops._C.hc_post_fused_cpu(x, res, post, comb))
 
 
-def test_hc_head_equals_vllms_kernel(g):
+def test_hc_head_equals_vllms_kernel(g, as_dtype):
     T = 23
     x = _randn(g, T, HC, D).to(torch.bfloat16)
     fn, scale, base = _randn(g, HC, HC * D, scale=0.02), _randn(g, 1).abs() + 0.5, _randn(g, HC, scale=0.3)
-    _close_bf16(v4_fp32.hc_head(x, fn, scale, base, 1e-6, 1e-6),
+    _close_bf16(v4_fp32.hc_head(x.to(as_dtype), fn, scale, base, 1e-6, 1e-6),
                 torch.ops._C.hc_head_fused_cpu(x, fn, scale, base, 1e-6, 1e-6))
 
 
@@ -74,7 +82,7 @@ def _rope_table(g, positions=512, rope=64):
     return torch.cat([torch.cos(theta), torch.sin(theta)], -1)
 
 
-def test_qnorm_rope_kv_insert_equals_vllms_kernel(g):
+def test_qnorm_rope_kv_insert_equals_vllms_kernel(g, as_dtype):
     """The padded query and the window cache: every stored FP8 code and scale equal, rope parts within a bf16
     step; slot -1 and the slots nobody writes keep their bytes."""
     T, H, padded, bs, nb = 19, 6, 8, 16, 5
@@ -89,7 +97,8 @@ def test_qnorm_rope_kv_insert_equals_vllms_kernel(g):
     raw = torch.randint(0, 256, (nb, bs * 584), dtype=torch.uint8, generator=g)
     ours, theirs = raw.clone(), raw.clone()
     want = torch.ops._C.fused_qnorm_rope_kv_insert_cpu(q, kv, positions, theirs, slots, table, padded, 1e-6, bs)
-    got = v4_fp32.qnorm_rope_kv_insert(q, kv, positions, ours, slots, table, padded, 1e-6, bs)
+    got = v4_fp32.qnorm_rope_kv_insert(q.to(as_dtype), kv.to(as_dtype), positions, ours, slots, table, padded,
+                                       1e-6, bs)
     assert got.shape == want.shape == (T, padded, 512) and not got[:, H:].any() and not want[:, H:].any()
     _close_bf16(got, want)
     lay = layouts.V4
@@ -109,13 +118,13 @@ def test_qnorm_rope_kv_insert_equals_vllms_kernel(g):
     assert torch.equal(ours[keep_blk[:, None], at], raw[keep_blk[:, None], at])
 
 
-def test_inverse_rope_equals_vllms_kernel(g):
+def test_inverse_rope_equals_vllms_kernel(g, as_dtype):
     T, H = 17, 6
     o = _randn(g, T, H, 512).to(torch.bfloat16)
     positions = torch.randint(0, 512, (T,), generator=g)
     table = _rope_table(g)
     want = torch.ops._C.inverse_gptj_rope_o_proj_cpu(o, positions, table, 64)
-    got = v4_fp32.gptj_rope(o, positions, table, inverse=True)
+    got = v4_fp32.gptj_rope(o.to(as_dtype), positions, table, inverse=True)
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
     back = v4_fp32.gptj_rope(got, positions, table)                    # the inverse undoes the rotation
     torch.testing.assert_close(back, o.float(), rtol=1e-5, atol=1e-5)

@@ -55,6 +55,18 @@ std::vector<int64_t> table_covers(const at::Tensor& table, const at::Tensor& nee
 std::tuple<at::Tensor, std::vector<int64_t>> paged_rows(const at::Tensor& table, const at::Tensor& batch,
                                                         const at::Tensor& x, const at::Tensor& mask,
                                                         int64_t block_size, int64_t num_blocks);
+// DeepSeek-V4's float32 model ops outside attention (v4_model.cpp)
+std::vector<at::Tensor> v4_hc_pre(const at::Tensor& x, const at::Tensor& fn, const at::Tensor& hc_scale,
+                                  const at::Tensor& hc_base, int64_t hc, int64_t sinkhorn_repeat, double rms_eps,
+                                  double hc_eps);
+at::Tensor v4_hc_post(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& post,
+                      const at::Tensor& comb);
+at::Tensor v4_hc_head(const at::Tensor& x, const at::Tensor& hc_fn, const at::Tensor& hc_scale,
+                      const at::Tensor& hc_base, double hc_eps, double norm_eps);
+at::Tensor v4_gptj_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin, bool inverse);
+at::Tensor v4_qnorm_rope_kv_insert(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& positions,
+                                   at::Tensor cache_2d, const at::Tensor& slots, const at::Tensor& cos_sin,
+                                   int64_t q_head_padded, double eps, int64_t block_size, bool flush_subnormals);
 // why the AVX512-BF16 path is not there: the CPU, or the cap
 static std::string no_avx512bf16() {
   if (dsattn_native::cpu_isa_own() >= dsattn_native::ISA_AVX512_BF16)
@@ -65,6 +77,12 @@ static std::string no_avx512bf16() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dsattn's compiled kernel layer";
+  m.def("v4_hc_pre", &v4_hc_pre, "DeepSeek-V4 mHC pre in float32: (layer input, post, comb) of the streams");
+  m.def("v4_hc_post", &v4_hc_post, "DeepSeek-V4 mHC post in float32: the streams after a layer");
+  m.def("v4_hc_head", &v4_hc_head, "DeepSeek-V4 mHC head in float32: the final collapse of the streams");
+  m.def("v4_gptj_rope", &v4_gptj_rope, "GPT-J RoPE of each row's last dims (inverse: undone), float32");
+  m.def("v4_qnorm_rope_kv_insert", &v4_qnorm_rope_kv_insert,
+        "DeepSeek-V4 query norm + RoPE, window row RoPE + FP8 store into FlashMLA's V4 cache, float32");
   m.def("plan_table", &plan_table, "the metadata plan table (spec 50) from CPU int32 length mirrors");
   m.def("sparse_attention_forward", &sparse_attention_forward,
         "fused sparse attention forward over gathered key rows (the golden's rounding points)", pybind11::arg("q"),

@@ -7,6 +7,11 @@ is the same computation in PyTorch, in float32 throughout, with vLLM's signature
 dispatcher in front of each kernel that sends float32 calls here and every other call to vLLM's kernel
 unchanged, so bf16 models run exactly as before.
 
+Each float32 version runs dsattn's compiled layer where it is loaded (``dsattn/native/v4_model.cpp``: one call
+where PyTorch needs a few dozen ops on a decode step's token, mHC's Sinkhorn normalisation alone being 80) and
+the PyTorch below otherwise; the PyTorch is the reference the compiled ops are tested against
+(``tests/test_v4_model_ops.py``).
+
 The math is the model's (vLLM's own eager references where it has them: ``mhc_pre_torch``,
 ``mhc_post_torch``; transformers' ``DeepseekV4HyperHead``); the cache bytes are FlashMLA's V4 layout
 (``dsattn.quant.flashmla``), which vLLM's kernels write.  ``tests/vllm_plugin/test_v4_fp32.py`` checks each
@@ -18,6 +23,7 @@ import functools
 
 import torch
 
+from ... import native
 from ...common.paged import write_rows
 from ...common.rope import ROTARY_INTERLEAVE, rotary
 from ...quant import flashmla as layouts
@@ -26,6 +32,13 @@ from .v4 import paged_rows
 # vLLM fixes the mHC post-mix multiplier at 2 in its CPU kernel (models/deepseek_v4/cpu/model.py call sites)
 HC_POST_MULT = 2.0
 E4M3_MIN_NORMAL = 2.0 ** -6
+
+
+def _compiled(*tensors: torch.Tensor):
+    """dsattn's compiled layer where it serves these tensors (float32, on the CPU), else None."""
+    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+        return native.load()
+    return None
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,8 +50,16 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: t
     """``hc_pre_fused_cpu``: streams ``x [T, hc, D]`` -> (layer input ``[T, D]``, post ``[T, hc]``, comb
     ``[T, hc, hc]``), the mixes of the RMS-normalised flattened streams (one ``hc_eps`` for the pre mix and
     the Sinkhorn iterations, as vLLM's kernel takes)."""
+    module = _compiled(x)
+    if module is not None:
+        return tuple(module.v4_hc_pre(x, fn, hc_scale, hc_base, hc_mult, sinkhorn_repeat, rms_eps, hc_eps))
+    return hc_pre_torch(x, fn, hc_scale, hc_base, hc_mult, sinkhorn_repeat, rms_eps, hc_eps)
+
+
+def hc_pre_torch(x, fn, hc_scale, hc_base, hc_mult: int, sinkhorn_repeat: int, rms_eps: float, hc_eps: float):
+    """:func:`hc_pre` in PyTorch."""
     T = x.size(0)
-    flat = x.reshape(T, -1).float()
+    flat = x.flatten(1).float()
     mixes = (flat @ fn.float().t()) * _rms(flat, rms_eps)
     hc = hc_mult
     pre = torch.sigmoid(mixes[:, :hc] * hc_scale[0] + hc_base[:hc]) + hc_eps
@@ -55,16 +76,32 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: t
 
 def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``hc_post_fused_cpu``: ``out[j] = sum_i comb[i, j] residual[i] + post[j] x`` ``[T, hc, D]`` (vLLM's own
-    eager reference, which takes any dtype)."""
-    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch
-    return mhc_post_torch(x, residual, post.unsqueeze(-1), comb)
+    eager reference's formula, in float32, rounded to the residual's dtype)."""
+    module = _compiled(x, residual)
+    if module is not None:
+        return module.v4_hc_post(x, residual, post, comb)
+    return hc_post_torch(x, residual, post, comb)
+
+
+def hc_post_torch(x, residual, post, comb):
+    """:func:`hc_post` in PyTorch."""
+    mixed = torch.einsum("...ij,...ih->...jh", comb.float(), residual.float())
+    return (mixed + post.float().unsqueeze(-1) * x.float().unsqueeze(-2)).to(residual.dtype)
 
 
 def hc_head(x: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor, hc_eps: float,
             norm_eps: float) -> torch.Tensor:
     """``hc_head_fused_cpu`` (its argument order: ``hc_eps`` before ``norm_eps``): the final collapse of the
     streams ``[T, hc, D]`` -> ``[T, D]``."""
-    flat = x.reshape(x.size(0), -1).float()
+    module = _compiled(x)
+    if module is not None:
+        return module.v4_hc_head(x, hc_fn, hc_scale, hc_base, hc_eps, norm_eps)
+    return hc_head_torch(x, hc_fn, hc_scale, hc_base, hc_eps, norm_eps)
+
+
+def hc_head_torch(x, hc_fn, hc_scale, hc_base, hc_eps: float, norm_eps: float):
+    """:func:`hc_head` in PyTorch."""
+    flat = x.flatten(1).float()
     mixes = (flat * _rms(flat, norm_eps)) @ hc_fn.float().t()
     pre = torch.sigmoid(mixes * hc_scale.float() + hc_base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
@@ -73,6 +110,14 @@ def hc_head(x: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor, hc_bas
 def gptj_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, inverse: bool = False):
     """GPT-J (interleaved pairs) RoPE of the last ``cos_sin_cache.size(1)`` dims of ``x [T, ..., D]`` in
     float32: vLLM's table holds ``[cos | sin]`` per position.  ``inverse`` rotates by ``-position``."""
+    module = _compiled(x, cos_sin_cache)
+    if module is not None:
+        return module.v4_gptj_rope(x, positions.long(), cos_sin_cache, inverse)
+    return gptj_rope_torch(x, positions, cos_sin_cache, inverse)
+
+
+def gptj_rope_torch(x, positions, cos_sin_cache, inverse: bool = False):
+    """:func:`gptj_rope` in PyTorch."""
     R = cos_sin_cache.size(1)
     cs = cos_sin_cache.float()[positions]                              # [T, R]
     shape = (x.size(0),) + (1,) * (x.dim() - 2) + (R,)
@@ -110,14 +155,26 @@ def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, positions: torch.Ten
     """``fused_qnorm_rope_kv_insert_cpu``: the query's per-head weight-free RMSNorm and RoPE, padded to
     ``q_head_padded`` heads with zeros; the window KV row's RoPE, quantisation (:func:`quantize_v4_rows`)
     and store at its slot of the V4 window cache ``cache_2d [num_blocks, block bytes]`` (slot -1: skipped)."""
+    module = _compiled(q, kv, cos_sin_cache)
+    if module is not None:
+        return module.v4_qnorm_rope_kv_insert(q, kv, positions.long(), cache_2d, slot_mapping.long(), cos_sin_cache,
+                                              q_head_padded, eps, block_size, True)
+    return qnorm_rope_kv_insert_torch(q, kv, positions, cache_2d, slot_mapping, cos_sin_cache, q_head_padded, eps,
+                                      block_size)
+
+
+def qnorm_rope_kv_insert_torch(q, kv, positions, cache_2d, slot_mapping, cos_sin_cache, q_head_padded: int,
+                               eps: float, block_size: int):
+    """:func:`qnorm_rope_kv_insert` in PyTorch."""
     T, H, D = q.shape
     qf = q.float()
-    qf = gptj_rope(qf * _rms(qf, eps), positions[:T], cos_sin_cache)
+    qf = gptj_rope_torch(qf * _rms(qf, eps), positions[:T], cos_sin_cache)
     out = q.new_zeros((T, q_head_padded, D))
     out[:, :H] = qf.to(q.dtype)
     n = slot_mapping.size(0)
     slots = slot_mapping.long()
-    store_v4_rows(cache_2d, block_size, slots, slots >= 0, gptj_rope(kv[:n].float(), positions[:n], cos_sin_cache))
+    store_v4_rows(cache_2d, block_size, slots, slots >= 0,
+                  gptj_rope_torch(kv[:n].float(), positions[:n], cos_sin_cache))
     return out
 
 
