@@ -206,7 +206,9 @@ def llama_worker(spec: dict) -> dict:
     def argmax() -> int:
         return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))))
     t = time.perf_counter()
-    llm.eval(prompt)
+    for start in range(0, len(prompt), spec["n_batch"]):       # (what llm.eval does), saying how far it got
+        llm.eval(prompt[start:start + spec["n_batch"]])
+        print(f"PROGRESS {min(start + spec['n_batch'], len(prompt))} {time.perf_counter() - t:.1f}", flush=True)
     prefill_s = time.perf_counter() - t
     tokens, steps = [argmax()], []
     for _ in range(spec["tokens"] - 1):
@@ -226,8 +228,11 @@ def peak_rss_gb() -> float:
 def run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return dict(error=f"over the {timeout} s limit")
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        done = [ln.split() for ln in out.splitlines() if ln.startswith("PROGRESS ")]
+        where = f" ({done[-1][1]} prompt tokens prefilled in {done[-1][2]} s)" if done else ""
+        return dict(error=f"over the {timeout} s limit{where}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()][-6:]

@@ -77,3 +77,13 @@ def test_gguf_conversion(v32, tmp_path):
     assert int(fields["deepseek32.attention.indexer.head_count"].parts[-1][0]) == SMALL["index_n_heads"]
     assert int(fields["deepseek32.attention.indexer.top_k"].parts[-1][0]) == SMALL["index_topk"]
     assert any(t.name.startswith("blk.0.indexer") for t in reader.tensors)
+
+
+def test_a_row_over_its_limit_says_how_far_the_prefill_got():
+    """A llama.cpp row cut by ``--timeout`` reports the prompt tokens its worker had prefilled (a lower bound on
+    its prefill time), not only that it ran over."""
+    import sys
+    worker = ("import time\nfor n in (2048, 4096):\n    print(f'PROGRESS {n} {n / 1000:.1f}', flush=True)\n"
+              "time.sleep(60)\n")
+    res = llamacpp.run([sys.executable, "-c", worker], timeout=3)
+    assert res == {"error": "over the 3 s limit (4096 prompt tokens prefilled in 4.1 s)"}
