@@ -246,19 +246,19 @@ def run_llama(gguf: Path, prompt_file: Path, tokens: int, flash_attn: bool, time
     return run([str(LLAMA_VENV / "bin" / "python"), __file__, "--llama-worker", json.dumps(spec)], timeout)
 
 
-def run_vllm(model: Path, kind: str, prompt: list[int], tokens: int, chunk: int, layers: int, timeout: int,
+def run_vllm(model: Path, kind: str, prompt_file: Path, tokens: int, chunk: int, layers: int, timeout: int,
              in_process: bool = True) -> dict:
     """vLLM + dsattn through ``vllm_serve.py``'s worker (the same engine settings), float32.  ``in_process``: the
     engine core in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as llama.cpp runs; otherwise
     vLLM's default, an engine-core process whose OpenMP threads leave one core to the scheduler's process (on
     two cores: the model runs on one)."""
-    n = len(prompt)
+    n = len(json.loads(prompt_file.read_text()))
     if kind == "v4":                       # FP8 window / compressed rows and indexer keys (vllm_serve.py's sizing)
         kv_bytes = (n // 4 + n // 64 + 8192) * 700 * layers + (256 << 20)
     else:                                  # float32 latent rows + indexer keys, padded
         kv_bytes = (n + tokens + 64) * layers * 3000 + (256 << 20)
-    spec = dict(model=str(model), vocab=0, lengths=[n], prompts=[prompt], tokens=tokens, kv_bytes=kv_bytes,
-                chunk=chunk, dtype="float32", load_format="auto")
+    spec = dict(model=str(model), vocab=0, lengths=[n], prompt_files=[str(prompt_file)], tokens=tokens,
+                kv_bytes=kv_bytes, chunk=chunk, dtype="float32", load_format="auto")
     env = dict(os.environ, DSATTN_V4_KERNELS="dsattn", VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1")
     return run([sys.executable, str(_HERE / "vllm_serve.py"), "--worker", json.dumps(spec)], timeout, env)
 
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
                                              f"{args.dense_max}; V3.2 at this context: ~"
                                              f"{dense_tflop(ctx, layers=args.layers):.0f} TFLOP)")
                 elif engine.startswith("dsattn"):
-                    res[engine] = run_vllm(model, kind, prompt, args.tokens, args.chunk, layers, args.timeout,
+                    res[engine] = run_vllm(model, kind, prompt_file, args.tokens, args.chunk, layers, args.timeout,
                                            in_process=engine == "dsattn")
                 else:
                     res[engine] = run_llama(gguf, prompt_file, args.tokens, engine == "llama-fa", args.timeout)

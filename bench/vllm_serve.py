@@ -80,6 +80,8 @@ def worker(spec: dict) -> dict:
     import torch
     from vllm import LLM, SamplingParams
     g = torch.Generator().manual_seed(0)
+    if spec.get("prompt_files"):                  # token ids as JSON files (a long prompt outgrows a command line)
+        spec = dict(spec, prompts=[json.loads(Path(f).read_text()) for f in spec["prompt_files"]])
     prompts = spec.get("prompts") or [torch.randint(3, spec["vocab"], (n,), generator=g).tolist()
                                       for n in spec["lengths"]]
     max_len = max(spec["lengths"]) + spec["tokens"] + 16
