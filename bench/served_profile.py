@@ -39,7 +39,7 @@ def category(op: str) -> str:
     if op.startswith("dsattn::"):
         return "dsattn kernels"
     if op.startswith("plug-in::"):
-        return "plug-in (cache writes, slots)"
+        return "plug-in (cache writes, slots, V4 model ops)"
     if op in GEMMS:
         return "GEMMs (projections, MoE, head)"
     if op.startswith("aten::") or op.startswith("prim::"):
@@ -95,6 +95,12 @@ def profile(args) -> dict:
     wrap(dsa.DsattnSparseMLAImpl, "forward_mqa", "dsattn::sparse MLA (forward_mqa)")
     wrap(dsa.DsattnSparseMLAImpl, "do_kv_cache_update", "plug-in::MLA cache write")
     wrap(DeepseekV4CPUAttention, "forward_mqa", "dsattn::V4 attention (forward_mqa)")
+    # the plug-in's float32 V4 model ops (compiled, or their PyTorch under DSATTN_NATIVE=0), each a range of its own
+    from vllm import _custom_ops
+    from dsattn.integrations.vllm import v4_fp32
+    for name in v4_fp32.FLOAT32_VERSIONS:
+        wrap(_custom_ops, name, f"plug-in::V4 {name.removesuffix('_cpu')}")
+    wrap(v4_fp32, "gptj_rope", "plug-in::V4 GPT-J RoPE (the attention output's inverse)")
     engine.add_request("0", {"prompt_token_ids": prompt},
                        SamplingParams(max_tokens=args.steps + 2, temperature=0, ignore_eos=True, detokenize=False))
     kinds = {"prefill": [], "decode": []}
@@ -164,7 +170,8 @@ def main(argv=None) -> int:
         return 0
     print(f"{args.model} at {args.ctx} tokens, {args.dtype}, chunk {args.chunk}, CPU class "
           f"{os.environ.get('DSATTN_CPU_ISA') or 'own'}: median step, ms (share of the step)")
-    names = ["step", *PHASES, "outside the phases (engine loop)", "dsattn kernels", "plug-in (cache writes, slots)",
+    names = ["step", *PHASES, "outside the phases (engine loop)", "dsattn kernels",
+             "plug-in (cache writes, slots, V4 model ops)",
              "vLLM kernels", "GEMMs (projections, MoE, head)", "other ATen ops",
              "Python in the forward (model + plug-in)"]
     print("| part | " + " | ".join(f"{k} (median of {v['n']})" for k, v in res.items()) + " |")
