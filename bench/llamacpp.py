@@ -258,7 +258,8 @@ def run_vllm(model: Path, kind: str, prompt_file: Path, tokens: int, chunk: int,
     else:                                  # float32 latent rows + indexer keys, padded
         kv_bytes = (n + tokens + 64) * layers * 3000 + (256 << 20)
     spec = dict(model=str(model), vocab=0, lengths=[n], prompt_files=[str(prompt_file)], tokens=tokens,
-                kv_bytes=kv_bytes, chunk=chunk, dtype="float32", load_format="auto")
+                kv_bytes=kv_bytes, chunk=chunk, dtype="float32", load_format="auto",
+                prefix_caching=False)                # one prompt each: nothing to reuse (llama.cpp keeps none)
     env = dict(os.environ, DSATTN_V4_KERNELS="dsattn", VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1")
     return run([sys.executable, str(_HERE / "vllm_serve.py"), "--worker", json.dumps(spec)], timeout, env)
 

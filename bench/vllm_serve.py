@@ -91,7 +91,8 @@ def worker(spec: dict) -> dict:
     llm = LLM(model=spec["model"], load_format=spec.get("load_format", "dummy"), skip_tokenizer_init=True,
               dtype=spec.get("dtype", "bfloat16"),
               enforce_eager=True, max_model_len=max_len, max_num_batched_tokens=chunk or max_len,
-              enable_chunked_prefill=bool(chunk), max_num_seqs=len(prompts), kv_cache_memory_bytes=spec["kv_bytes"])
+              enable_chunked_prefill=bool(chunk), max_num_seqs=len(prompts), kv_cache_memory_bytes=spec["kv_bytes"],
+              enable_prefix_caching=spec.get("prefix_caching"))      # None: vLLM's default
     sp = SamplingParams(max_tokens=spec["tokens"], temperature=0, ignore_eos=True, detokenize=False)
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
