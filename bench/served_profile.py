@@ -15,7 +15,8 @@ the ops).  Per phase: milliseconds of the median step and shares of the step.
 
 Models: ``v32`` is issue 42's tiny DeepSeek-V3.2 with the real attention widths (``bench/llamacpp.py``'s
 checkpoint: 128 heads, latent 512 + rope 64, indexer 64 x 128, top-2048); ``v4`` is ``bench/llamacpp.py``'s V4
-(V4-Flash's attention, a CSA + an HCA layer, 64 FP4 routed experts held in float32).  Random weights, nothing downloaded.
+(V4-Flash's attention, a CSA + an HCA layer, 64 FP4 routed experts held in float32).  Random weights, nothing
+downloaded.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def wrap(obj, name: str, label: str) -> None:
     setattr(obj, name, wrapped)
 
 
-def model_dir(kind: str, path: Path, dtype: str) -> tuple[Path, int]:
+def model_dir(kind: str, path: Path) -> tuple[Path, int]:
     sys.path.insert(0, _HERE)
     if kind == "v32":
         import llamacpp
@@ -73,7 +74,7 @@ def profile(args) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from vllm import LLM, SamplingParams
-    path, vocab = model_dir(args.model, Path(tempfile.mkdtemp(prefix="dsattn-profile-")), args.dtype)
+    path, vocab = model_dir(args.model, Path(tempfile.mkdtemp(prefix="dsattn-profile-")))
     prompt = torch.randint(3, vocab, (args.ctx,), generator=torch.Generator().manual_seed(0)).tolist()
     llm = LLM(model=str(path), load_format="auto", skip_tokenizer_init=True,
               dtype=args.dtype, enforce_eager=True, max_model_len=args.ctx + args.steps + 16,

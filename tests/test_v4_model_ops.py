@@ -62,7 +62,8 @@ def test_hc_post(module, g, T):
 def test_hc_head(module, g, T):
     D = 256
     x = torch.randn(T, HC, D, generator=g)
-    fn, scale, base = torch.randn(HC, HC * D, generator=g) * 0.02, torch.rand(1, generator=g) + 0.5, torch.randn(HC, generator=g)
+    fn = torch.randn(HC, HC * D, generator=g) * 0.02
+    scale, base = torch.rand(1, generator=g) + 0.5, torch.randn(HC, generator=g)
     _close(module.v4_hc_head(x, fn, scale, base, 1e-6, 1e-6), v4_fp32.hc_head_torch(x, fn, scale, base, 1e-6, 1e-6))
 
 

@@ -229,8 +229,9 @@ at::Tensor v4_qnorm_rope_kv_insert(const at::Tensor& q, const at::Tensor& kv, co
   check_f32(cos_sin, "cos_sin_cache", 2);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), R = cos_sin.size(1), n = slots.numel();
   constexpr int64_t kNope = 448, kTile = 64, kRowBody = 576, kScaleBytes = 8;
-  TORCH_CHECK_VALUE(D == 512 && kv.size(1) == 512 && R == 64, "q / kv / cos_sin_cache: expected V4's 512-wide rows with "
-              "64 RoPE dims, got q ", q.sizes(), ", kv ", kv.sizes(), ", cos_sin_cache ", cos_sin.sizes());
+  TORCH_CHECK_VALUE(D == 512 && kv.size(1) == 512 && R == 64,
+                    "q / kv / cos_sin_cache: expected V4's 512-wide rows with 64 RoPE dims, got q ", q.sizes(),
+                    ", kv ", kv.sizes(), ", cos_sin_cache ", cos_sin.sizes());
   TORCH_CHECK_VALUE(q_head_padded >= H, "q_head_padded: ", q_head_padded, " is below the ", H, " heads");
   TORCH_CHECK_VALUE(kv.size(0) >= n && positions.numel() >= std::max(T, n) && positions.scalar_type() == at::kLong,
               "kv / positions: expected >= ", n, " rows and int64 positions for every token");
