@@ -32,6 +32,16 @@ def pytest_sessionstart(session):
 
 
 @pytest.fixture
+def own_gemm():
+    """Runs the test on dsattn's own GEMMs (DSATTN_NATIVE_GEMM=own): the paths whose bits do not depend on the
+    batch, the rows around them or the threads.  AMX and oneDNN's bf16 path, a vendor library's choice of kernel,
+    promise no such thing (test_batch_invariance.py)."""
+    from dsattn import native
+    with native.gemm_path("own"):
+        yield
+
+
+@pytest.fixture
 def native_module():
     """The compiled layer where this machine builds it (a C++ compiler is present: a failed build is a
     failure, not a skip); None with DSATTN_NATIVE=0 or without a compiler."""

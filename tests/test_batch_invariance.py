@@ -1,5 +1,7 @@
 """Batch invariance: a request's rows are the same bits alone as inside any batch, on 1 thread or all
-(dsattn/cases/invariance.py, ``dsattn verify --batch-invariance N``)."""
+(dsattn/cases/invariance.py, ``dsattn verify --batch-invariance N``).  Promised on dsattn's own GEMMs (the fp32
+GEMM, the vdpbf16ps micro-kernel: the "own" path); AMX and oneDNN's bf16 path are a vendor library's kernels and
+promise none."""
 import random
 
 import pytest
@@ -16,12 +18,27 @@ PER_FAMILY = 40                                     # 7 families: 280 configurat
 def test_every_request_alone_gives_its_rows_in_the_batch(family, native_module):
     if native_module is None:
         pytest.skip(f"the guarantee is the compiled CPU path's; here: {native.status()}")
-    n, failures = invariance.check_seeds(family, range(BASE, BASE + PER_FAMILY))
+    with native.gemm_path("own"):
+        n, failures = invariance.check_seeds(family, range(BASE, BASE + PER_FAMILY))
     assert n == PER_FAMILY and not failures, "\n".join(failures[:10])
 
 
-@pytest.mark.parametrize("gemm", ["avx512bf16", "onednn", "fp32"])
-def test_the_other_gemm_paths_are_batch_invariant_too(gemm, native_module):
+@pytest.mark.parametrize("gemm", ["avx512bf16", "fp32"])
+def test_the_other_own_gemm_paths_are_batch_invariant_too(gemm, native_module):
+    if native_module is None:
+        pytest.skip(f"no compiled layer here: {native.status()}")
+    if gemm == "avx512bf16" and not native_module.cpu_has_avx512bf16():
+        pytest.skip("this CPU has no AVX512-BF16")
+    with native.gemm_path(gemm):
+        for family in ("mla", "indexer", "qsfa", "compressor"):
+            _, failures = invariance.check_seeds(family, range(BASE + 7, BASE + 17))
+            assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("gemm", ["best", "own", "avx512bf16", "onednn", "fp32"])
+def test_which_gemm_paths_promise_invariance(gemm, native_module):
+    # dsattn's own GEMMs promise it (every dtype on "own" and "fp32", bf16 on the micro-kernel); oneDNN's kernels
+    # (AMX, the onednn path) do not, and the CLI says which one a run is on
     if native_module is None:
         pytest.skip(f"no compiled layer here: {native.status()}")
     if gemm == "avx512bf16" and not native_module.cpu_has_avx512bf16():
@@ -29,9 +46,14 @@ def test_the_other_gemm_paths_are_batch_invariant_too(gemm, native_module):
     if gemm == "onednn" and not native_module.bf16_gemm_choice()["onednn_runs"]:
         pytest.skip("oneDNN's avx512_core_bf16 ukernel is the path of AVX512-BF16 CPUs without AMX; not this one")
     with native.gemm_path(gemm):
-        for family in ("mla", "indexer", "qsfa", "compressor"):
-            _, failures = invariance.check_seeds(family, range(BASE + 7, BASE + 17))
-            assert not failures, "\n".join(failures[:10])
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            kind = native_module.attention_gemm(str(dtype).split(".")[-1])
+            assert native.gemm_is_own(dtype) == (kind in ("fp32", "avx512bf16")), (dtype, kind)
+            if gemm in ("own", "fp32"):
+                assert native.gemm_is_own(dtype)
+        assert native.gemm_is_own(torch.float32)
+        if gemm == "onednn":
+            assert not native.gemm_is_own(torch.bfloat16)
 
 
 def test_the_check_sees_a_row_that_depends_on_its_batch(monkeypatch):

@@ -54,11 +54,12 @@ def _stores(loop):
     return [x for x in loop if "PTR [" in x[2].split(",")[0] and not x[1].startswith(_NOT_STORES)]
 
 
-def loop_report(disassembly: str, name: str = "dpbf16_tile") -> dict[str, tuple[int, list]]:
-    """Per function: how many of its loops run vdpbf16ps, and the stores inside those loops."""
+def loop_report(disassembly: str, name: str = "dpbf16_tile", product: str = "vdpbf16ps") -> dict[str, tuple[int, list]]:
+    """Per function: how many of its loops run ``product`` (an instruction, or the start of its name), and the
+    stores inside those loops."""
     report = {}
     for fn, body in _functions(disassembly, name).items():
-        fma_loops = [loop for loop in _loops(body) if any(op == "vdpbf16ps" for _, op, _ in loop)]
+        fma_loops = [loop for loop in _loops(body) if any(op.startswith(product) for _, op, _ in loop)]
         report[fn] = (len(fma_loops), [s for loop in fma_loops for s in _stores(loop)])
     return report
 
@@ -116,6 +117,20 @@ def test_the_micro_kernel_loops_store_no_accumulator(native_module):
         assert fma_loops >= 1, f"{fn}: no loop with vdpbf16ps found (inlined or renamed?)"
         zmm = [x for x in stores if "ZMMWORD" in x[2]]
         assert len(zmm) <= 2 * fma_loops, f"{fn}: more zmm stores than the decode's two per loop: {zmm[:6]}"
+
+
+def test_the_fp32_tiles_keep_their_sums_in_registers(native_module):
+    # dsattn's fp32 GEMM: every AVX-512 tile (1-6 rows x 1-4 slices of 16) and AVX2 tile (1-6 rows x 1-2 slices of
+    # 8) runs its FMAs in a loop that stores nothing: the accumulators stay in registers from the first k to the last
+    text = _built_layer_disassembly(native_module)
+    for name, tiles, register in (("fma512_tile<", 24, "zmm"), ("fma256_tile<", 12, "ymm")):
+        report = loop_report(text, name, product="vfmadd")
+        assert len(report) == tiles, sorted(report)
+        for fn, (fma_loops, stores) in report.items():
+            assert fma_loops >= 1, f"{fn}: no loop with vfmadd*ps found (inlined or renamed?)"
+            assert not stores, f"{fn}: stores inside its FMA loop: {stores[:4]}"
+            body = _functions(text, fn)[fn]
+            assert any(register in args for _, op, args in body if op.startswith("vfmadd")), fn
 
 
 def test_the_tiles_that_run_without_vbmi_hold_no_vbmi_instruction(native_module):
@@ -213,8 +228,10 @@ def test_gemm_gflops_checks_its_arguments(native_module):
         pytest.skip(f"no compiled layer here: {native.status()}")
     with pytest.raises(ValueError, match="K even"):
         native_module.gemm_gflops("avx512bf16", 4, 4, 3, 64)
-    with pytest.raises(ValueError, match="path 'avx512bf16' or 'onednn'"):
+    with pytest.raises(ValueError, match="path 'avx512bf16', 'onednn', 'fp32' or 'brgemm_fp32'"):
         native_module.gemm_gflops("amx", 4, 4, 4, 64)
+    assert native_module.gemm_gflops("fp32", 12, 64, 64, 64) > 0
+    assert native_module.gemm_gflops("brgemm_fp32", 12, 64, 64, 64) > 0
     if native_module.cpu_has_avx512bf16():
         assert native_module.gemm_gflops("avx512bf16", 12, 64, 64, 64) > 0
     else:

@@ -134,7 +134,7 @@ def test_decode_hooks():
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
-def test_prefill_rows_take_the_shared_key_path_with_the_same_bits():
+def test_prefill_rows_take_the_shared_key_path_with_the_same_bits(own_gemm):
     """Rows of one request (a prefill, the shared-key path) and the same rows one request each (the
     one-row path) give the same bits: the scales are applied in the same order on both paths."""
     if native.kernels() is None:
@@ -364,7 +364,7 @@ def test_64k_paged_call_reads_the_pool_in_place():
 
 @pytest.mark.parametrize("quantised", (False, True), ids=["lightning_indexer", "quant_lightning_indexer"])
 @pytest.mark.parametrize("paged", (False, True), ids=["BSND", "paged"])
-def test_one_row_split_over_threads_gives_the_one_thread_bits(quantised, paged):
+def test_one_row_split_over_threads_gives_the_one_thread_bits(quantised, paged, own_gemm):
     """A call of one decode row with many keys splits them over the threads and merges the parts'
     selections: the same bits as one thread, ties (repeated keys) included."""
     if native.kernels() is None:

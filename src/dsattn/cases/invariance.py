@@ -206,7 +206,8 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _threads(n: int, fn: Callable):
+def on_threads(n: int, fn: Callable):
+    """fn() run with torch set to n threads, then the count as it was."""
     was = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -233,7 +234,7 @@ def check_attention(family: str, seed: int, key_grads: bool | None = None) -> li
         keys = {}
     bad = []
     if torch.get_num_threads() > 1:
-        rows1, keys1 = _threads(1, lambda: _call(family, case.q, kw, req.extra))
+        rows1, keys1 = on_threads(1, lambda: _call(family, case.q, kw, req.extra))
         for name in rows:
             if not _bits_equal(rows[name], rows1[name]):
                 bad.append(f"{case.name}: {name} differs between 1 and {torch.get_num_threads()} threads")
@@ -291,7 +292,7 @@ def check_compressor(seed: int) -> list[str]:
     out, state, dx = _compressor_call(case.args, kw)
     bad = []
     if torch.get_num_threads() > 1:
-        out1, state1, dx1 = _threads(1, lambda: _compressor_call(case.args, kw))
+        out1, state1, dx1 = on_threads(1, lambda: _compressor_call(case.args, kw))
         for name, a, b in (("cmp_kv", out, out1), ("state_cache", state, state1), ("dx", dx, dx1)):
             if not _bits_equal(a, b):
                 bad.append(f"{case.name}: {name} differs between 1 and {torch.get_num_threads()} threads")

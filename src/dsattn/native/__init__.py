@@ -20,6 +20,12 @@ oneDNN's avx512_core_bf16 ukernel where a timing of both on the attention's shap
 faster), else on fp32 operands (AVX2, AVX-512F), decided once per process.
 ``DSATTN_NATIVE_GEMM=fp32``, ``=avx512bf16`` or ``=onednn`` (or :func:`gemm_path` for a block) forces
 a path on any CPU that has it: the paths other machines take, tested and timed on one that has more.
+
+Batch invariance (a request's bits the same alone as in any batch, on any thread count) holds on dsattn's
+own GEMMs only: the fp32 GEMM and the vdpbf16ps micro-kernel, which sum each element over K in one order
+whatever the shapes and the threads.  AMX and the ``onednn`` path are oneDNN's kernels, chosen by CPU, shape
+and ISA cap: no invariance is promised there (:func:`gemm_is_own`).  ``DSATTN_NATIVE_GEMM=own`` runs dsattn's
+own kernels only (bf16 on the micro-kernel where the CPU has AVX512-BF16, everything else fp32).
 ``DSATTN_CPU_ISA`` (:mod:`dsattn.native.isa`) caps the whole layer at a smaller CPU class: its GEMM path,
 decoders, head sums and vector loops all run as that class's would.
 """
@@ -91,14 +97,15 @@ def suspended():
         _state["suspended"] -= 1
 
 
-_GEMM_PATHS = ("best", "avx512bf16", "onednn", "fp32")
+_GEMM_PATHS = ("best", "own", "avx512bf16", "onednn", "fp32")
 
 
 @contextlib.contextmanager
 def gemm_path(path: str):
     """Within the block the compiled kernels run the GEMM path ``path``: ``"fp32"`` (the one AVX2-only
     CPUs take), ``"avx512bf16"`` (the vdpbf16ps micro-kernel, on a CPU that has it), ``"onednn"``
-    (oneDNN's avx512_core_bf16 ukernel, on an AVX512-BF16 CPU without AMX) or ``"best"``;
+    (oneDNN's avx512_core_bf16 ukernel, on an AVX512-BF16 CPU without AMX), ``"own"`` (dsattn's own
+    kernels only: the batch-invariant paths) or ``"best"``;
     afterwards ``DSATTN_NATIVE_GEMM``'s choice again.  No effect without the compiled layer."""
     if path not in _GEMM_PATHS:
         raise ValueError(f"gemm_path: expected one of {_GEMM_PATHS}, got {path!r}")
@@ -113,17 +120,27 @@ def gemm_path(path: str):
         module.set_gemm_path(gemm_requested())
 
 
+def gemm_is_own(dtype) -> bool:
+    """Whether the compiled kernels' GEMMs for ``dtype`` (a torch dtype or its name) run on dsattn's own code, where
+    batch invariance is promised, under the path now in force; False on oneDNN's (AMX, ``onednn``) and without
+    the compiled layer."""
+    module = load()
+    name = str(dtype).replace("torch.", "")
+    return module is not None and module.gemm_is_own(name)
+
+
 def fp32_gemm():
     """:func:`gemm_path` ``("fp32")``."""
     return gemm_path("fp32")
 
 
 def gemm_requested() -> str:
-    """``DSATTN_NATIVE_GEMM``: ``fp32``, ``avx512bf16`` or ``onednn`` forces that GEMM path; unset (or
-    empty) leaves the CPU's best (``"best"``)."""
+    """``DSATTN_NATIVE_GEMM``: ``fp32``, ``avx512bf16`` or ``onednn`` forces that GEMM path, ``own`` dsattn's
+    own kernels only; unset (or empty) leaves the CPU's best (``"best"``)."""
     value = os.environ.get("DSATTN_NATIVE_GEMM", "").strip().lower() or "best"
     if value not in _GEMM_PATHS:
-        raise ValueError(f"DSATTN_NATIVE_GEMM: expected 'fp32', 'avx512bf16', 'onednn' or unset, got {value!r}")
+        raise ValueError(f"DSATTN_NATIVE_GEMM: expected 'own', 'fp32', 'avx512bf16', 'onednn' or unset, "
+                         f"got {value!r}")
     return value
 
 

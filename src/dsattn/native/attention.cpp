@@ -9,7 +9,7 @@
 // multiplies 16-bit operands natively (AMX), our vdpbf16ps micro-kernel (or oneDNN's, where faster)
 // for bf16 on AVX512-BF16 without AMX; on each the half-precision rows are multiplied as they are
 // with fp32 accumulation.
-// Elsewhere (AVX2, AVX512F) the rows are widened to fp32 as they are gathered and the fp32 ukernel runs.  Products of
+// Elsewhere (AVX2, AVX512F) the rows are widened to fp32 as they are gathered and dsattn's fp32 GEMM runs.  Products of
 // half-precision values are exact in fp32 either way, so both paths have the golden's numerics.
 //
 // Layout of the work for one row (H heads padded to Hp, a multiple of 16; D padded to Dp):

@@ -9,7 +9,10 @@
 //               avx512_core_bf16 kernel for any AVX512-BF16 CPU (only cpublas::pack needs AMX).  On
 //               such a CPU the process times both kernels once on the attention's own shapes and
 //               takes oneDNN's only where it is clearly faster (bf16_choice below);
-//   fp32        operands widened to fp32 as rows are read, on the ukernel's fp32 GEMM (AVX2, AVX-512F).
+//   fp32        operands widened to fp32 as rows are read, on dsattn's fp32 GEMM (fp32_gemm below: AVX-512,
+//               AVX2 or the baseline build, by the class).
+// The avx512bf16 and fp32 paths are dsattn's own code and sum each element over K in one order whatever
+// the shapes and threads (gemm_is_own); amx and onednn are oneDNN's kernels and promise no such thing.
 // The 16-bit paths read the same operands: A row-major, B in pair-interleaved panels [K/2][w][2]
 // (ldb = w), so the kernels pack once whichever 16-bit path runs.  All multiply exact bf16 products
 // and sum in fp32; only the summation order differs, and the golden's rounding points (which operand
@@ -38,10 +41,12 @@
 
 namespace dsattn_native {
 
-enum GemmPath : int { GEMM_BEST = 0, GEMM_AVX512BF16 = 1, GEMM_FP32 = 2, GEMM_ONEDNN = 3 };
+enum GemmPath : int { GEMM_BEST = 0, GEMM_AVX512BF16 = 1, GEMM_FP32 = 2, GEMM_ONEDNN = 3, GEMM_OWN = 4 };
 
-// The path the process asked for: the CPU's best (default), or one forced (DSATTN_NATIVE_GEMM, the
-// tests and the benchmarks: dsattn.native.gemm_path()).
+// The path the process asked for: the CPU's best (default), one forced (DSATTN_NATIVE_GEMM, the tests and
+// the benchmarks: dsattn.native.gemm_path()), or dsattn's own kernels only ("own": the vdpbf16ps
+// micro-kernel for bf16 where the CPU has it, fp32 for everything else), the paths whose sums over K
+// keep one order per element whatever M, N and the threads (gemm_is_own).
 inline std::atomic<int>& gemm_request() {
   static std::atomic<int> request{GEMM_BEST};
   return request;
@@ -78,12 +83,22 @@ inline const Bf16Choice& bf16_choice() {
 inline GemmKind gemm_kind(at::ScalarType dt) {
   const int request = gemm_request().load(std::memory_order_relaxed);
   if (request == GEMM_FP32 || (dt != at::kBFloat16 && dt != at::kHalf)) return KIND_FP32;
+  if (request == GEMM_OWN) return dt == at::kBFloat16 && cpu_has_avx512bf16() ? KIND_AVX512BF16 : KIND_FP32;
   if (dt == at::kBFloat16 && request == GEMM_AVX512BF16) return cpu_has_avx512bf16() ? KIND_AVX512BF16 : KIND_FP32;
   if (dt == at::kBFloat16 && request == GEMM_ONEDNN) return bf16_choice().onednn_runs ? KIND_ONEDNN : KIND_FP32;
   if (cpu_runs_amx(dt)) return KIND_AMX;
   // vdpbf16ps multiplies bf16 only; fp16 without a native ukernel takes the fp32 path
   if (dt == at::kBFloat16 && cpu_has_avx512bf16()) return bf16_choice().onednn ? KIND_ONEDNN : KIND_AVX512BF16;
   return KIND_FP32;
+}
+
+// Whether a dtype's GEMMs run on dsattn's own code (the AVX512-BF16 micro-kernel, the fp32 GEMM), which
+// sums each element over K in one order whatever M, N, the tile and the threads: the kernels' batch
+// invariance rests on this.  The AMX and oneDNN paths hand the GEMM to oneDNN, whose kernel choice (by
+// CPU, shape, ISA cap) may change that order: no invariance is promised there.
+inline bool gemm_is_own(at::ScalarType dt) {
+  const GemmKind kind = gemm_kind(dt);
+  return kind == KIND_AVX512BF16 || kind == KIND_FP32;
 }
 
 // Whether a dtype's GEMMs take 16-bit operands (any 16-bit path).
@@ -227,13 +242,238 @@ inline void dpbf16_gemm(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bo
 }
 #endif  // DSATTN_X86
 
+// ---- dsattn's fp32 GEMM ----
+//
+// Every fp32 GEMM of the compiled layer runs here, never on a vendor library's kernel: MKL and oneDNN
+// choose their kernels by the CPU's vendor and model, by M and by the ISA they are capped at, and their
+// sums over K change order with that choice (an AMD Zen 4 capped at SSE4.1 gave another row sum for
+// M = 3 than for M = 32 through cpublas::brgemm's MKL fallback).  Here each element of C has one fp32
+// accumulator, taken from C (add_C) or zero, and K is summed into it in index order, one product per
+// step: a fused multiply-add on the AVX2 / AVX-512 classes, a rounded product and an add in the
+// baseline build (no FMA there).  Tiles, strips and blocks of K only choose which elements are worked
+// on together, and a block leaves its exact fp32 sums in C for the next, so an element's bits depend on
+// its row of A, its column of B, K and the class: never on M, N, where it falls in a tile, or the
+// threads (callers split rows and columns, never K).
+//
+// AVX-512: tiles of MR <= 6 rows x 16 NV <= 64 columns in 24 zmm accumulators, per k NV loads of B and a
+// broadcast of each row's A (the dpbf16 tile's register plan with one product per element and k);
+// AVX2: MR <= 6 x 8 NV <= 16 columns in 12 ymm (16 registers: 12 + 2 B + 1 broadcast).  Blocks of
+// FP32_KBLOCK k keep a strip of B (128 x 64 floats, 32 KB) in L1 while the row tiles pass over it.
+constexpr int64_t FP32_KBLOCK = 128;
+
+#if DSATTN_X86
+template <int MR, int NV>
+__attribute__((noinline, target("avx512f,avx512vl,fma"))) void fma512_tile(int64_t K, const float* A, int64_t lda,
+                                                                           const float* B, int64_t ldb, float* C,
+                                                                           int64_t ldc, bool add_C, __mmask16 tail) {
+  static_assert(MR >= 1 && MR <= 6 && NV >= 1 && NV <= 4, "a tile is at most 6 rows x 4 column slices");
+#define DSATTN_F_MASK(v) ((v) == NV - 1 ? tail : __mmask16(0xFFFF))
+#define DSATTN_F_ROW_DECL(r) \
+  __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps(), c##r##2 = _mm512_setzero_ps(), \
+         c##r##3 = _mm512_setzero_ps();
+#define DSATTN_F_FOR_SLICES(op, r) op(r, 0) op(r, 1) op(r, 2) op(r, 3)
+#define DSATTN_F_FOR_ROWS(op) op(0) op(1) op(2) op(3) op(4) op(5)
+#define DSATTN_F_LOAD(r, v) \
+  if constexpr (MR > r && NV > v) c##r##v = _mm512_maskz_loadu_ps(DSATTN_F_MASK(v), C + r * ldc + 16 * v);
+#define DSATTN_F_LOAD_ROW(r) DSATTN_F_FOR_SLICES(DSATTN_F_LOAD, r)
+#define DSATTN_F_FMA(r, v) \
+  if constexpr (NV > v) c##r##v = _mm512_fmadd_ps(a, b##v, c##r##v);
+#define DSATTN_F_FMA_ROW(r)                           \
+  if constexpr (MR > r) {                             \
+    const __m512 a = _mm512_set1_ps(ak[r * lda]);     \
+    DSATTN_F_FOR_SLICES(DSATTN_F_FMA, r)              \
+  }
+#define DSATTN_F_STORE(r, v) \
+  if constexpr (MR > r && NV > v) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, DSATTN_F_MASK(v), c##r##v);
+#define DSATTN_F_STORE_ROW(r) DSATTN_F_FOR_SLICES(DSATTN_F_STORE, r)
+  DSATTN_F_FOR_ROWS(DSATTN_F_ROW_DECL)
+  if (add_C) { DSATTN_F_FOR_ROWS(DSATTN_F_LOAD_ROW) }
+  const float* b = B;
+  const float* ak = A;
+  for (int64_t k = 0; k < K; ++k, b += ldb, ++ak) {
+    const __m512 b0 = _mm512_maskz_loadu_ps(DSATTN_F_MASK(0), b);
+    __m512 b1 = b0, b2 = b0, b3 = b0;
+    if constexpr (NV > 1) b1 = _mm512_maskz_loadu_ps(DSATTN_F_MASK(1), b + 16);
+    if constexpr (NV > 2) b2 = _mm512_maskz_loadu_ps(DSATTN_F_MASK(2), b + 32);
+    if constexpr (NV > 3) b3 = _mm512_maskz_loadu_ps(DSATTN_F_MASK(3), b + 48);
+    DSATTN_F_FOR_ROWS(DSATTN_F_FMA_ROW)
+  }
+  DSATTN_F_FOR_ROWS(DSATTN_F_STORE_ROW)
+#undef DSATTN_F_MASK
+#undef DSATTN_F_ROW_DECL
+#undef DSATTN_F_FOR_SLICES
+#undef DSATTN_F_FOR_ROWS
+#undef DSATTN_F_LOAD
+#undef DSATTN_F_LOAD_ROW
+#undef DSATTN_F_FMA
+#undef DSATTN_F_FMA_ROW
+#undef DSATTN_F_STORE
+#undef DSATTN_F_STORE_ROW
+}
+
+// AVX2: the last 8-column slice is loaded and stored through a lane mask (maskload reads no lane past it).
+template <int MR, int NV>
+__attribute__((noinline, target("avx2,fma"))) void fma256_tile(int64_t K, const float* A, int64_t lda, const float* B,
+                                                               int64_t ldb, float* C, int64_t ldc, bool add_C,
+                                                               int tail_lanes) {
+  static_assert(MR >= 1 && MR <= 6 && NV >= 1 && NV <= 2, "a tile is at most 6 rows x 2 column slices");
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(tail_lanes), lanes);
+  const __m256i full = _mm256_set1_epi32(-1);
+#define DSATTN_F_MASK(v) ((v) == NV - 1 ? tail : full)
+#define DSATTN_F_ROW_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
+#define DSATTN_F_FOR_SLICES(op, r) op(r, 0) op(r, 1)
+#define DSATTN_F_FOR_ROWS(op) op(0) op(1) op(2) op(3) op(4) op(5)
+#define DSATTN_F_LOAD(r, v) \
+  if constexpr (MR > r && NV > v) c##r##v = _mm256_maskload_ps(C + r * ldc + 8 * v, DSATTN_F_MASK(v));
+#define DSATTN_F_LOAD_ROW(r) DSATTN_F_FOR_SLICES(DSATTN_F_LOAD, r)
+#define DSATTN_F_FMA(r, v) \
+  if constexpr (NV > v) c##r##v = _mm256_fmadd_ps(a, b##v, c##r##v);
+#define DSATTN_F_FMA_ROW(r)                           \
+  if constexpr (MR > r) {                             \
+    const __m256 a = _mm256_broadcast_ss(ak + r * lda); \
+    DSATTN_F_FOR_SLICES(DSATTN_F_FMA, r)              \
+  }
+#define DSATTN_F_STORE(r, v) \
+  if constexpr (MR > r && NV > v) _mm256_maskstore_ps(C + r * ldc + 8 * v, DSATTN_F_MASK(v), c##r##v);
+#define DSATTN_F_STORE_ROW(r) DSATTN_F_FOR_SLICES(DSATTN_F_STORE, r)
+  DSATTN_F_FOR_ROWS(DSATTN_F_ROW_DECL)
+  if (add_C) { DSATTN_F_FOR_ROWS(DSATTN_F_LOAD_ROW) }
+  const float* b = B;
+  const float* ak = A;
+  for (int64_t k = 0; k < K; ++k, b += ldb, ++ak) {
+    const __m256 b0 = _mm256_maskload_ps(b, DSATTN_F_MASK(0));
+    __m256 b1 = b0;
+    if constexpr (NV > 1) b1 = _mm256_maskload_ps(b + 8, DSATTN_F_MASK(1));
+    DSATTN_F_FOR_ROWS(DSATTN_F_FMA_ROW)
+  }
+  DSATTN_F_FOR_ROWS(DSATTN_F_STORE_ROW)
+#undef DSATTN_F_MASK
+#undef DSATTN_F_ROW_DECL
+#undef DSATTN_F_FOR_SLICES
+#undef DSATTN_F_FOR_ROWS
+#undef DSATTN_F_LOAD
+#undef DSATTN_F_LOAD_ROW
+#undef DSATTN_F_FMA
+#undef DSATTN_F_FMA_ROW
+#undef DSATTN_F_STORE
+#undef DSATTN_F_STORE_ROW
+}
+
+template <int LANES, int MR, int NV>
+constexpr auto fma_tile() {
+  if constexpr (LANES == 16) return &fma512_tile<MR, NV>;
+  else return &fma256_tile<MR, NV>;
+}
+
+// One strip of a class's tiles: its rows in tiles of 6 (then the rest), over a block of K.
+template <int NV, int LANES, typename Tail>
+void fma_strip(int64_t M, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+               bool add_C, Tail tail) {
+  using Tile = void (*)(int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t, bool, Tail);
+  static constexpr Tile tiles[7] = {nullptr, fma_tile<LANES, 1, NV>(), fma_tile<LANES, 2, NV>(),
+                                    fma_tile<LANES, 3, NV>(), fma_tile<LANES, 4, NV>(), fma_tile<LANES, 5, NV>(),
+                                    fma_tile<LANES, 6, NV>()};
+  for (int64_t r0 = 0; r0 < M; r0 += 6)
+    tiles[std::min<int64_t>(6, M - r0)](K, A + r0 * lda, lda, B, ldb, C + r0 * ldc, ldc, add_C, tail);
+}
+
+// Strips of NVMAX * LANES columns outside, blocks of K inside them, row tiles innermost.
+template <int LANES, int NVMAX>
+void fma_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C, const float* A,
+              const float* B, float* C) {
+  using Tail = std::conditional_t<LANES == 16, __mmask16, int>;
+  using Strip = void (*)(int64_t, int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t, bool, Tail);
+  static constexpr Strip strips[5] = {nullptr, fma_strip<1, LANES, Tail>, fma_strip<std::min(2, NVMAX), LANES, Tail>,
+                                      fma_strip<std::min(3, NVMAX), LANES, Tail>,
+                                      fma_strip<std::min(4, NVMAX), LANES, Tail>};
+  constexpr int64_t width = LANES * NVMAX;
+  for (int64_t n0 = 0; n0 < N; n0 += width) {
+    const int64_t cols = std::min(width, N - n0), rem = cols % LANES;
+    Tail tail;
+    if constexpr (LANES == 16) tail = rem == 0 ? __mmask16(0xFFFF) : __mmask16((1u << rem) - 1);
+    else tail = rem == 0 ? LANES : static_cast<int>(rem);
+    for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += FP32_KBLOCK)
+      strips[(cols + LANES - 1) / LANES](M, std::min(FP32_KBLOCK, K - k0), A + k0, lda, B + k0 * ldb + n0, ldb,
+                                         C + n0, ldc, add_C || k0 > 0, tail);
+  }
+}
+#endif  // DSATTN_X86
+
+// The baseline build (other architectures, and x86 capped at generic): tiles of MR <= 6 rows x 8 columns in
+// 4-lane vectors of GCC's generic vector extension (SSE2 on x86-64, NEON on aarch64, scalar code elsewhere),
+// every element's sum element-wise, k in order.  Named vectors, not a float array: with an array (partly
+// filled from C at the edges) GCC kept the sums on the stack, 2 GFLOP/s against 15 a core (Sapphire Rapids,
+// SSE2; MKL's SSE4.2 sgemm 18).
+typedef float fp32x4 __attribute__((vector_size(16)));
+
+inline fp32x4 load_fp32x4(const float* p) {
+  fp32x4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <int MR>
+void fp32_generic_tile(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                       bool add_C, int64_t cols) {
+  constexpr int64_t NC = 8;
+  float edge[MR][NC] = {};                    // C's tile in and out (its columns past cols stay zero)
+  if (add_C)
+    for (int r = 0; r < MR; ++r) std::copy(C + r * ldc, C + r * ldc + cols, edge[r]);
+  fp32x4 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = load_fp32x4(edge[r]), acc[r][1] = load_fp32x4(edge[r] + 4);
+  float pad[NC] = {};                         // a row of B past its last column: zeros
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = B + k * ldb;
+    if (cols < NC) {
+      std::copy(b, b + cols, pad);
+      b = pad;
+    }
+    const fp32x4 b0 = load_fp32x4(b), b1 = load_fp32x4(b + 4);
+    for (int r = 0; r < MR; ++r) {
+      const float a = A[r * lda + k];
+      acc[r][0] += a * b0;
+      acc[r][1] += a * b1;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    std::memcpy(edge[r], &acc[r][0], sizeof acc[r][0]);
+    std::memcpy(edge[r] + 4, &acc[r][1], sizeof acc[r][1]);
+    std::copy(edge[r], edge[r] + cols, C + r * ldc);
+  }
+}
+
+inline void fp32_gemm_generic(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
+                              const float* A, const float* B, float* C) {
+  using Tile = void (*)(int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t, bool, int64_t);
+  static constexpr Tile tiles[7] = {nullptr, fp32_generic_tile<1>, fp32_generic_tile<2>, fp32_generic_tile<3>,
+                                    fp32_generic_tile<4>, fp32_generic_tile<5>, fp32_generic_tile<6>};
+  for (int64_t n0 = 0; n0 < N; n0 += 8)
+    for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += FP32_KBLOCK)
+      for (int64_t r0 = 0; r0 < M; r0 += 6)
+        tiles[std::min<int64_t>(6, M - r0)](std::min(FP32_KBLOCK, K - k0), A + r0 * lda + k0, lda, B + k0 * ldb + n0,
+                                           ldb, C + r0 * ldc + n0, ldc, add_C || k0 > 0,
+                                           std::min<int64_t>(8, N - n0));
+}
+
+// C [M, N] (+)= A [M, K] B [K, N], fp32, row-major with leading dimensions lda / ldb / ldc.
+inline void fp32_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
+                      const float* A, const float* B, float* C) {
+  if (M <= 0 || N <= 0) return;
+#if DSATTN_X86
+  if (isa_has(ISA_AVX512)) return fma_gemm<16, 4>(M, N, K, lda, ldb, ldc, add_C, A, B, C);
+  if (isa_has(ISA_AVX2)) return fma_gemm<8, 2>(M, N, K, lda, ldb, ldc, add_C, A, B, C);
+#endif
+  fp32_gemm_generic(M, N, K, lda, ldb, ldc, add_C, A, B, C);
+}
+
 #if DSATTN_HAVE_BRGEMM
 // ---- the kernels' GEMM call ----
 //
 // gemm(...) has cpublas::brgemm's arguments; 16-bit operands take B as pair panels (vnni).
 inline void gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C, const float* A,
                  const float* B, float* C, bool /*vnni: fp32 B is plain*/, LinePrefetch* = nullptr) {
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, false);
+  fp32_gemm(M, N, K, lda, ldb, ldc, add_C, A, B, C);
 }
 
 inline void gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
@@ -288,6 +528,34 @@ inline double gemm_seconds(GemmKind kind, int64_t M, int64_t N, int64_t K, int64
   }
   if (kind != KIND_AVX512BF16) at::native::cpublas::brgemm_release(true);
   if (C_out != nullptr) std::copy(C.begin(), C.end(), C_out);
+  return best;
+}
+
+// Seconds of one fp32 C [M, N] = A [M, K] B [K, N] (plain row-major operands in cache) on dsattn's fp32 GEMM
+// (own) or on ATen's cpublas::brgemm (oneDNN's fp32 ukernel, or MKL's sgemm where oneDNN is capped below it:
+// what the fp32 path ran before it was dsattn's): the best of ``trials`` runs of ``calls`` calls, this thread.
+inline double fp32_gemm_seconds(bool own, int64_t M, int64_t N, int64_t K, int calls = 8, int trials = 5) {
+  std::vector<float> A(M * K), B(K * N), C(M * N);
+  uint32_t x = 12345u;
+  auto next = [&x]() {
+    x = x * 1664525u + 1013904223u;
+    return static_cast<float>(x >> 8) * 0x1p-23f - 1.0f;
+  };
+  for (auto& a : A) a = next();
+  for (auto& b : B) b = next();
+  auto call = [&]() {
+    if (own)
+      fp32_gemm(M, N, K, K, N, N, false, A.data(), B.data(), C.data());
+    else
+      at::native::cpublas::brgemm(M, N, K, K, N, N, false, A.data(), B.data(), C.data(), false);
+  };
+  call();
+  double best = 1e30;
+  for (int t = 0; t < trials; ++t) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int c = 0; c < calls; ++c) call();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / calls);
+  }
   return best;
 }
 

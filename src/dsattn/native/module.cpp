@@ -98,8 +98,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernels_available", [] { return bool(DSATTN_HAVE_BRGEMM); },
         "whether this torch exports the batch-reduce GEMM the attention and indexer kernels run on");
   m.def("set_gemm_path", [](const std::string& path) {
-          TORCH_CHECK_VALUE(path == "best" || path == "avx512bf16" || path == "onednn" || path == "fp32",
-                            "gemm path: expected 'best', 'avx512bf16', 'onednn' or 'fp32', got '", path, "'");
+          TORCH_CHECK_VALUE(path == "best" || path == "avx512bf16" || path == "onednn" || path == "fp32" ||
+                                path == "own",
+                            "gemm path: expected 'best', 'own', 'avx512bf16', 'onednn' or 'fp32', got '", path, "'");
           TORCH_CHECK_VALUE(path != "avx512bf16" || dsattn_native::cpu_has_avx512bf16(),
                             "gemm path 'avx512bf16': ", no_avx512bf16());
           TORCH_CHECK_VALUE(path != "onednn" || dsattn_native::bf16_choice().onednn_runs,
@@ -110,11 +111,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                                        : dsattn_native::bf16_choice().why);
           dsattn_native::gemm_request().store(path == "best"     ? dsattn_native::GEMM_BEST
                                               : path == "fp32"   ? dsattn_native::GEMM_FP32
+                                              : path == "own"    ? dsattn_native::GEMM_OWN
                                               : path == "onednn" ? dsattn_native::GEMM_ONEDNN
                                                                  : dsattn_native::GEMM_AVX512BF16);
         },
-        "the GEMM path: the CPU's best (AMX -> AVX512-BF16, ours or oneDNN's -> fp32), or one forced on any CPU "
-        "that has it");
+        "the GEMM path: the CPU's best (AMX -> AVX512-BF16, ours or oneDNN's -> fp32), dsattn's own kernels only "
+        "('own'), or one forced on any CPU that has it");
+  m.def("gemm_is_own", [](const std::string& dtype) {
+          const auto dt = dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf : at::kFloat;
+          TORCH_CHECK_VALUE(dtype == "bfloat16" || dtype == "float16" || dtype == "float32",
+                            "gemm_is_own: dtype 'bfloat16', 'float16' or 'float32', got '", dtype, "'");
+          return dsattn_native::gemm_is_own(dt);
+        },
+        "whether a dtype's GEMMs run on dsattn's own kernels (one summation order per element: batch invariant) "
+        "rather than oneDNN's (AMX, the onednn path: no invariance promised)");
   m.def("bf16_gemm_choice", [] {
           const auto& c = dsattn_native::bf16_choice();
           pybind11::dict d;
@@ -130,17 +140,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "shapes (one thread, GFLOP/s) and which the process runs");
   m.def("gemm_gflops", [](const std::string& path, int64_t M, int64_t N, int64_t K, int64_t panel) -> double {
           // (the arguments first: what is wrong with the call, whatever the CPU)
-          TORCH_CHECK_VALUE(path == "avx512bf16" || path == "onednn", "gemm_gflops: path 'avx512bf16' or 'onednn'");
+          TORCH_CHECK_VALUE(path == "avx512bf16" || path == "onednn" || path == "fp32" || path == "brgemm_fp32",
+                            "gemm_gflops: path 'avx512bf16', 'onednn', 'fp32' or 'brgemm_fp32'");
           TORCH_CHECK_VALUE(M > 0 && N > 0 && K > 0 && K % 2 == 0 && panel > 0, "M, N, K, panel > 0 and K even");
           TORCH_CHECK_VALUE(path != "avx512bf16" || dsattn_native::cpu_has_avx512bf16(), no_avx512bf16());
 #if DSATTN_HAVE_BRGEMM
+          if (path == "fp32" || path == "brgemm_fp32")      // (plain fp32 B: no panels)
+            return 2.0 * M * N * K / dsattn_native::fp32_gemm_seconds(path == "fp32", M, N, K) / 1e9;
           const auto kind = path == "onednn" ? dsattn_native::KIND_ONEDNN : dsattn_native::KIND_AVX512BF16;
           return 2.0 * M * N * K / dsattn_native::gemm_seconds(kind, M, N, K, panel) / 1e9;
 #else
           TORCH_CHECK(false, "this torch has no cpublas::brgemm");
 #endif
         },
-        "GFLOP/s of one bf16 GEMM shape on this thread, operands in cache, B in pair panels of `panel` columns");
+        "GFLOP/s of one GEMM shape on this thread, operands in cache: bf16 with B in pair panels of `panel` columns "
+        "(avx512bf16, onednn), or fp32 on dsattn's GEMM (fp32) or ATen's cpublas::brgemm (brgemm_fp32)");
   m.def("cpu_has_avx512bf16", &dsattn_native::cpu_has_avx512bf16,
         "whether the kernels may run AVX512-BF16 (vdpbf16ps): the CPU has it and DSATTN_CPU_ISA does not cap it");
   m.def("cpu_isa", [] { return std::string(dsattn_native::isa_name(dsattn_native::cpu_isa())); },
