@@ -63,17 +63,22 @@ demo: $(VENV)/.wheel
 # the compiled kernels' tests, run again under each CPU class below this machine's own (DSATTN_CPU_ISA, with
 # oneDNN / MKL / ATen capped too): every class's code runs on every machine
 KERNEL_TESTS := tests/test_native_kernels.py tests/test_gemm_kernel.py tests/test_quant_indexer.py \
-	tests/test_sharedkv_compiled.py tests/test_cpu_isa.py
+	tests/test_sharedkv_compiled.py tests/test_cpu_isa.py tests/test_vendor_invariance.py
 
 # DeepSeek-V4 served with vLLM's AVX-512 and AVX2 kernel libraries (DSATTN_CPU_ISA makes the plug-in load them; the
 # V4 ops they lack are dsattn's)
-V4_CLASS_TESTS := tests/vllm_plugin/test_v4.py "tests/vllm_plugin/test_serve.py::test_serve_concurrent_completions[v4]"
+V4_CLASS_TESTS := tests/vllm_plugin/test_v4.py 'tests/vllm_plugin/test_serve.py::test_serve_concurrent_completions[v4]'
 
-test: $(VENV)/.wheel $(VLLM_VENV)/.wheel cross-aarch64
-	$(BIN)/python -m pytest -q -n 2
-	$(BIN)/python -m dsattn.native --below -- $(BIN)/python -m pytest -q -n 2 $(KERNEL_TESTS)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
-	$(VLLM_VENV)/bin/python -m dsattn.native --below --only avx512,avx2 -- $(VLLM_VENV)/bin/python -m pytest -q $(V4_CLASS_TESTS)
+# every part runs whatever the others gave (.ci/parts), and the run ends with each part's result and time
+test: $(VENV)/.wheel $(VLLM_VENV)/.wheel
+	@bash .ci/parts \
+		"aarch64 cross-build" "$(MAKE) --no-print-directory cross-aarch64" \
+		"main suite" "$(BIN)/python -m pytest -q -n 2" \
+		"kernel tests, each class below this CPU's" \
+			"$(BIN)/python -m dsattn.native --below -- $(BIN)/python -m pytest -q -n 2 $(KERNEL_TESTS)" \
+		"vLLM plug-in suite" "$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin" \
+		"V4 on vLLM's AVX-512 / AVX2 libraries" \
+			"$(VLLM_VENV)/bin/python -m dsattn.native --below --only avx512,avx2 -- $(VLLM_VENV)/bin/python -m pytest -q $(V4_CLASS_TESTS)"
 
 # the compiled layer's sources built for aarch64 with their x86 paths guarded off (zig's clang from PyPI)
 cross-aarch64: $(STAMP)
@@ -84,8 +89,10 @@ test-caps: $(VENV)/.wheel
 	$(BIN)/python -m dsattn.native --below -- $(BIN)/python -m pytest -q -n 2 $(KERNEL_TESTS)
 
 test-vllm: $(VLLM_VENV)/.wheel
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
-	$(VLLM_VENV)/bin/python -m dsattn.native --below --only avx512,avx2 -- $(VLLM_VENV)/bin/python -m pytest -q $(V4_CLASS_TESTS)
+	@bash .ci/parts \
+		"vLLM plug-in suite" "$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin" \
+		"V4 on vLLM's AVX-512 / AVX2 libraries" \
+			"$(VLLM_VENV)/bin/python -m dsattn.native --below --only avx512,avx2 -- $(VLLM_VENV)/bin/python -m pytest -q $(V4_CLASS_TESTS)"
 
 # llama.cpp against vLLM + dsattn on a tiny DeepSeek-V3.2 at 8K-64K (tens of minutes: not part of `make test`)
 bench-llamacpp: $(VLLM_VENV)/.wheel $(LLAMA_STAMP)

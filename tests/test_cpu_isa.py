@@ -84,3 +84,26 @@ def test_run_below_runs_each_lower_class():
                 "own='avx512'))")
     assert proc.returncode == 0, proc.stderr
     assert [line for line in proc.stdout.splitlines() if line.startswith("as ")] == ["as avx2", "as generic"]
+
+
+def test_run_below_runs_every_class_after_a_failing_one():
+    # a red class must not hide the ones after it: each runs, each result is reported, the first failure is returned
+    proc = _run("import sys; from dsattn.native import isa; "
+                "sys.exit(isa.run_below([sys.executable, '-c', 'import os, sys; c = os.environ[\"DSATTN_CPU_ISA\"]; "
+                "print(\"as\", c); sys.exit(3 if c == \"avx512\" else 0)'], own='avx512_bf16'))")
+    assert proc.returncode == 3, proc.stderr
+    assert [line for line in proc.stdout.splitlines() if line.startswith("as ")] == ["as avx512", "as avx2", "as generic"]
+    assert "DSATTN_CPU_ISA=avx512: exit status 3, DSATTN_CPU_ISA=avx2: passed, DSATTN_CPU_ISA=generic: passed" in proc.stdout
+
+
+def test_make_test_parts_run_after_a_failing_part():
+    import os
+    import subprocess
+    parts = os.path.join(os.path.dirname(__file__), "..", ".ci", "parts")
+    proc = subprocess.run(["bash", parts, "first", "exit 4", "second", "echo second ran"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "second ran" in proc.stdout
+    lines = proc.stdout.splitlines()
+    summary = lines[lines.index("== parts of the run:") + 1:]
+    assert "FAILED (exit 4)" in summary[0] and summary[0].split()[0] == "first"
+    assert "passed" in summary[1] and summary[1].split()[0] == "second"

@@ -120,20 +120,22 @@ def describe() -> str:
 
 def run_below(command: list[str], own: str | None = None, only: list[str] | None = None) -> int:
     """Run ``command`` once under each class below the CPU's own (fresh processes, :func:`environment`), or
-    each of ``only`` that is below it; the first non-zero exit status, else 0."""
+    each of ``only`` that is below it, every class whatever the others gave; prints each class's exit status
+    at the end and returns the first non-zero one, else 0."""
     classes = [c for c in below(own) if only is None or c in only]
     if not classes:
         print(f"dsattn.native: this CPU's class is {own or cpu_class()!r}: no class below it"
               + (f" among {', '.join(only)}" if only is not None else "") + " to run", flush=True)
+    codes = []
     for cls in classes:
         env = dict(os.environ, **environment(cls))
         print(f"== {VARIABLE}={cls} (oneDNN {env['ONEDNN_MAX_CPU_ISA']}, ATen {env['ATEN_CPU_CAPABILITY']}): "
               f"{' '.join(command)}", flush=True)
-        code = subprocess.run(command, env=env).returncode
-        if code != 0:
-            print(f"== {VARIABLE}={cls}: exit status {code}", flush=True)
-            return code
-    return 0
+        codes.append(subprocess.run(command, env=env).returncode)
+    if classes:
+        print("== " + ", ".join(f"{VARIABLE}={cls}: " + ("passed" if code == 0 else f"exit status {code}")
+                                for cls, code in zip(classes, codes)), flush=True)
+    return next((code for code in codes if code != 0), 0)
 
 
 def main(argv: list[str] | None = None) -> int:
