@@ -70,6 +70,20 @@ def test_float32_against_transformers_with_vllms_cache_roundings(checkpoint, flo
         assert g["tokens"][0] == w["tokens"][0] and abs(g["logprobs"][0] - w["logprobs"][0]) <= 5e-2
 
 
+def test_expert_counts_vllms_routing_kernels_refuse(tmp_path_factory):
+    """8 routed experts, top-2 (a distilled or pruned V4): vLLM's ``_C`` routing kernels take 64 / 128 / 256 / 384
+    experts with top-k 6 or 8 only and stopped this model at its first decode step; the plug-in finds that when
+    the model loads and routes it with dsattn's versions (on ``_C_AVX512`` / ``_C_AVX2`` they are dsattn's anyway).
+    float32 against transformers with vLLM's cache roundings, the float32 test's rule."""
+    from v4_reference import vllm_roundings
+    d = tiny.write_v4(tmp_path_factory.mktemp("v4_e8"), n_routed_experts=8, num_experts_per_tok=2)
+    prompts = PROMPTS[:2]
+    got = run_llm(d, prompts, engine=dict(ENGINE, dtype="float32"), env={"DSATTN_V4_KERNELS": "dsattn"})
+    with vllm_roundings():
+        want = hf_greedy(d, prompts, MAX_TOKENS)
+    compare(got, want, tol=0.3, min_match=0.9)
+
+
 @needs_vllm_v4_kernels
 @pytest.mark.skipif(torch.cpu._is_amx_tile_supported(),
                     reason="on AMX vLLM's V4 attention kernel rounds otherwise than on AVX512-BF16, where this bound "

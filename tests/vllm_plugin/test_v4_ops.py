@@ -177,3 +177,35 @@ def test_install_supplies_every_op_where_the_library_lacks_them():
                           env=dict(os.environ, **isa.environment("avx2")))
     assert proc.returncode == 0, proc.stderr
     assert "supplied 13" in proc.stdout and "same True" in proc.stdout, proc.stdout
+
+
+@needs_vllm_v4_kernels
+def test_routing_kernels_refused_by_vllm_are_replaced_at_load():
+    """vLLM's ``hash_topk_cpu`` / ``biased_topk_cpu`` take 64 / 128 / 256 / 384 experts with top-k 6 or 8 only (a
+    distilled or pruned V4 with 8 experts and top-2 stopped at its first decode step).  In a fresh process (the
+    replacement lasts the process): each refusal is found by one probe call, the op's CPU kernel becomes dsattn's,
+    which then routes the refused shape as ``v4_ops`` does; a shape vLLM takes keeps vLLM's kernel."""
+    code = """
+import torch
+from vllm import _custom_ops
+from dsattn.integrations.vllm import v4_ops
+assert v4_ops.routing_refusals(64, 6) == {}, 'vLLM takes 64 experts, top-6'
+assert v4_ops.reroute_refused(64, 6) == {}
+refused = v4_ops.reroute_refused(8, 2)
+print('refused', sorted(refused))
+assert all('unsupported num_experts 8' in r for r in refused.values()), refused
+assert v4_ops.reroute_refused(8, 2) == {} and v4_ops.routing_refusals(8, 2) == {}
+g = torch.Generator().manual_seed(0)
+logits = torch.randn(9, 8, generator=g) * 3
+table = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(9)]).to(torch.int32)
+bias = torch.randn(8, generator=g) * 0.1
+for got, want in ((torch.ops._C.hash_topk_cpu(logits, table, 2, 'sqrtsoftplus', 0, 8, 2.5),
+                   v4_ops.hash_topk(logits, table, 2, 'sqrtsoftplus', 0, 8, 2.5)),
+                  (torch.ops._C.biased_topk_cpu(logits, logits, bias, 2, True, 'sqrtsoftplus', 0, 2.5, True),
+                   v4_ops.biased_topk(logits, logits, bias, 2, True, 'sqrtsoftplus', 0, 2.5, True))):
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+print('routed')
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused ['biased_topk_cpu', 'hash_topk_cpu']" in proc.stdout and "routed" in proc.stdout, proc.stdout

@@ -90,6 +90,7 @@ def register() -> None:
     from . import dsa, rope, v4, v4_fp32, v4_metadata, v4_ops
     rope.install()
     v4_ops.install()                    # (vLLM's V4 ops where its kernel library lacks them)
+    v4_ops.install_routing()            # (and its routing where its kernels refuse the model's expert count)
     dsa.install()
     v4_metadata.install()
     v4_fp32.install()

@@ -30,11 +30,6 @@ DSA_DEFAULT_BLOCK = 64
 DSA_ARCHS = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 V4_ARCHS = ("DeepseekV4ForCausalLM",)
 V4_VLLM_TOPK = 512          # vLLM's CPU indexer (topk_transform_512_cpu) takes no other top-k
-# vLLM's CPU DeepSeek-V4 calls these at load and in every step; only the ``_C`` library has them
-V4_VLLM_OPS = ("convert_weight_packed", "bmm_cpu", "hc_pre_fused_cpu", "hc_post_fused_cpu", "hc_head_fused_cpu",
-               "fused_qnorm_rope_kv_insert_cpu", "inverse_gptj_rope_o_proj_cpu", "fused_indexer_q_rope_quant_cpu",
-               "save_partial_states_cpu", "compress_norm_rope_store_cpu", "compress_norm_rope_store_indexer_cpu",
-               "biased_topk_cpu", "hash_topk_cpu")
 # vLLM's own V4 attention / indexer kernels (``DSATTN_V4_KERNELS=vllm``), also ``_C``'s only
 V4_VLLM_ATTENTION_OPS = ("flash_mla_with_kvcache_cpu", "fp8_paged_mqa_logits_cpu", "topk_transform_512_cpu")
 KERNEL_LIBRARIES = {"generic": "vllm._C_AVX2", "avx2": "vllm._C_AVX2", "avx512": "vllm._C_AVX512"}
@@ -63,12 +58,6 @@ def _answer_as(cls: str) -> None:
             answer = (lambda real=real, has=has: has and real())
             answer._dsattn_class, answer._dsattn_real = cls, real
             setattr(torch.cpu, name, answer)
-
-
-def missing_v4_ops() -> list[str]:
-    """vLLM's V4 CPU ops that the loaded kernel library lacks."""
-    import torch
-    return [name for name in V4_VLLM_OPS if not hasattr(torch.ops._C, name)]
 
 
 def serves(model_config, archs=DSA_ARCHS) -> bool:
@@ -153,6 +142,12 @@ class DsattnCpuPlatform(CpuPlatform):
         if supplied:
             logger.info_once("dsattn: DeepSeek-V4's CPU ops %s on dsattn's float32 versions (vLLM's kernel library "
                              "here lacks them)", ", ".join(supplied))
+        text = model.hf_text_config
+        if getattr(text, "n_routed_experts", None):
+            refused = v4_ops.reroute_refused(text.n_routed_experts, text.num_experts_per_tok)
+            if refused:
+                logger.info_once("dsattn: DeepSeek-V4's expert routing on dsattn's versions of %s (vLLM's kernels "
+                                 "refuse this model: %s)", ", ".join(refused), "; ".join(refused.values()))
         sched = vllm_config.scheduler_config
         kept = (sched.enable_chunked_prefill, sched.max_num_batched_tokens)
         super().check_and_update_config(vllm_config)

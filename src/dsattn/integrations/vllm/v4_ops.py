@@ -255,18 +255,75 @@ OPS = {
 _LIBRARY: list = []
 
 
+def missing() -> list[str]:
+    """vLLM's V4 CPU ops (``OPS``: what its CPU DeepSeek-V4 calls at load and in every step) that the loaded kernel
+    library lacks."""
+    return [name for name in OPS if not hasattr(torch.ops._C, name)]
+
+
 def install() -> list[str]:
     """Define every V4 op the loaded kernel library lacks (idempotent); returns their names."""
     if _LIBRARY:
         return _LIBRARY[1]
-    from .platform import missing_v4_ops
-    missing = missing_v4_ops()
+    lacking = missing()
     library = torch.library.Library("_C", "FRAGMENT")
-    for name in missing:
+    for name in lacking:
         schema, impl, fake = OPS[name]
         library.define(schema)
         library.impl(name, impl, "CPU")
         torch.library.register_fake(f"_C::{name}", fake or (lambda *args: None), lib=library)
-    _LIBRARY[:] = [library, missing]
-    return missing
+    _LIBRARY[:] = [library, lacking]
+    return lacking
 
+
+# (the routing op -> its probe call's arguments after the gating logits, for a model's expert count and top-k)
+_ROUTING_PROBES = {
+    "hash_topk_cpu": lambda g, E, k: (g, (torch.arange(k, dtype=torch.int32) % E)[None], k, "sqrtsoftplus", 0, E, 1.0),
+    "biased_topk_cpu": lambda g, E, k: (g, g, torch.zeros(E), k, True, "sqrtsoftplus", 0, 1.0, True),
+}
+_ROUTING = {"hash_topk_cpu": hash_topk, "biased_topk_cpu": biased_topk}
+_REROUTED: dict = {}                 # op -> (its Library, vLLM's refusal)
+_MOE_INIT: list = []                 # vLLM's DeepseekV4MoE.__init__, once wrapped
+
+
+def routing_refusals(num_experts: int, topk: int) -> dict[str, str]:
+    """Each of the loaded library's V4 routing ops that refuses a model's (routed experts, top-k), with its words:
+    one call on a token of that shape, float32 logits as vLLM's V4 router gives them (``_C``'s kernels are built
+    for 64 / 128 / 256 / 384 experts with top-k 6 or 8, and refuse the rest)."""
+    refusals = {}
+    for name, args in _ROUTING_PROBES.items():
+        gating = torch.zeros(1, num_experts, dtype=torch.float32)
+        try:
+            getattr(torch.ops._C, name)(*args(gating, num_experts, topk))
+        except RuntimeError as e:
+            refusals[name] = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return refusals
+
+
+def reroute_refused(num_experts: int, topk: int) -> dict[str, str]:
+    """Where vLLM's ``hash_topk_cpu`` / ``biased_topk_cpu`` refuse (num_experts, topk), their CPU kernels become
+    :func:`hash_topk` / :func:`biased_topk` for the rest of the process (decided when the model loads, not at its
+    first step; these take any expert count and top-k).  Returns the refusals that caused it."""
+    refusals = {n: r for n, r in routing_refusals(num_experts, topk).items() if n not in _REROUTED}
+    for name, refusal in refusals.items():
+        library = torch.library.Library("_C", "IMPL")
+        library.impl(name, _ROUTING[name], "CPU")
+        _REROUTED[name] = (library, refusal)
+    return refusals
+
+
+def install_routing() -> None:
+    """Every process that builds vLLM's CPU DeepSeek-V4 MoE (the engine's and each tensor-parallel worker) checks the
+    model's expert count and top-k against vLLM's routing kernels as the layer is built (:func:`reroute_refused`),
+    so a model they refuse is routed by dsattn's versions from its first step (idempotent)."""
+    if _MOE_INIT:
+        return
+    from vllm.models.deepseek_v4.cpu.model import DeepseekV4MoE
+    original = DeepseekV4MoE.__init__
+
+    def __init__(self, vllm_config, prefix: str = ""):
+        config = vllm_config.model_config.hf_config
+        reroute_refused(config.n_routed_experts, config.num_experts_per_tok)
+        original(self, vllm_config, prefix)
+    DeepseekV4MoE.__init__ = __init__
+    _MOE_INIT.append(original)
