@@ -3,8 +3,10 @@
     python llm_run.py '<json spec>'
 
 spec: ``model``, ``engine`` (LLM keyword arguments), ``prompts`` (token-id lists), ``max_tokens``,
-optional ``late`` ({"prompt": [...], "after_steps": n}: a request added while the others decode).
-Output (last stdout line): per request ``tokens``, ``logprobs`` (of the chosen tokens) and ``top5``.
+optional ``late`` ({"prompt": [...], "after_steps": n}: a request added while the others decode), optional
+``prompt_logprobs`` (true: each prompt token's log-prob given the tokens before it, the prefill teacher-forced).
+Output (last stdout line): per request ``tokens``, ``logprobs`` (of the chosen tokens) and ``top5``; with
+``prompt_logprobs``, ``prompt_logprobs`` (one per prompt token after the first).
 """
 import json
 import sys
@@ -12,8 +14,11 @@ import sys
 
 def result(out):
     o = out.outputs[0]
-    return dict(tokens=list(o.token_ids), logprobs=[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],
-                top5=[sorted(lp, key=lambda t: -lp[t].logprob)[:5] for lp in o.logprobs])
+    res = dict(tokens=list(o.token_ids), logprobs=[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],
+               top5=[sorted(lp, key=lambda t: -lp[t].logprob)[:5] for lp in o.logprobs])
+    if out.prompt_logprobs is not None:
+        res["prompt_logprobs"] = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    return res
 
 
 def main():
@@ -21,7 +26,7 @@ def main():
     from vllm import LLM, SamplingParams
     llm = LLM(model=spec["model"], **spec.get("engine", {}))
     sp = SamplingParams(max_tokens=spec.get("max_tokens", 24), temperature=0, logprobs=5, detokenize=False,
-                        ignore_eos=True)
+                        ignore_eos=True, prompt_logprobs=1 if spec.get("prompt_logprobs") else None)
     late = spec.get("late")
     if late is None:
         outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], sp, use_tqdm=False)

@@ -25,9 +25,9 @@ def _as_class(cls: str) -> dict:
 @pytest.mark.parametrize("cls", list(LIBRARIES))
 def test_the_platform_loads_the_class_library(cls):
     env = _as_class(cls)
-    code = ("import torch; from dsattn.integrations.vllm.platform import DsattnCpuPlatform, missing_v4_ops; "
+    code = ("import torch; from dsattn.integrations.vllm.platform import DsattnCpuPlatform; "
             "DsattnCpuPlatform.import_kernels(); print('onednn_mm', hasattr(torch.ops._C, 'onednn_mm')); "
-            "print('missing', len(missing_v4_ops())); "
+            "from dsattn.integrations.vllm import v4_ops; print('missing', len(v4_ops.missing())); "
             "print('answers', torch.cpu._is_avx512_supported(), torch.cpu._is_amx_tile_supported())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, **env))

@@ -24,8 +24,9 @@ def vllm_v4_kernels_missing() -> str:
     cannot run.)"""
     import torch
     from vllm import _custom_ops  # noqa: F401  (loads the platform's kernel library)
-    from dsattn.integrations.vllm.platform import V4_VLLM_ATTENTION_OPS, missing_v4_ops
-    missing = missing_v4_ops() + [n for n in V4_VLLM_ATTENTION_OPS if not hasattr(torch.ops._C, n)]
+    from dsattn.integrations.vllm import v4_ops
+    from dsattn.integrations.vllm.platform import V4_VLLM_ATTENTION_OPS
+    missing = v4_ops.missing() + [n for n in V4_VLLM_ATTENTION_OPS if not hasattr(torch.ops._C, n)]
     return (f"vLLM's kernel library here lacks its own DeepSeek-V4 kernels ({', '.join(missing)}), which this test "
             "compares against") if missing else ""
 
@@ -34,11 +35,14 @@ def vllm_v4_kernels_missing() -> str:
 needs_vllm_v4_kernels = pytest.mark.skipif(bool(vllm_v4_kernels_missing()), reason=vllm_v4_kernels_missing() or "-")
 
 
-def run_llm(model, prompts, engine=None, late=None, max_tokens=MAX_TOKENS, env=None, timeout=600):
-    """vLLM's greedy outputs in a fresh process: [{tokens, logprobs, top5}] per prompt."""
+def run_llm(model, prompts, engine=None, late=None, max_tokens=MAX_TOKENS, env=None, timeout=600,
+            prompt_logprobs=False):
+    """vLLM's greedy outputs in a fresh process: [{tokens, logprobs, top5}] per prompt (and ``prompt_logprobs``:
+    each prompt token's log-prob, teacher-forced, where asked)."""
     engine = dict(dict(max_model_len=256, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20),
                   **(engine or {}))
-    spec = dict(model=str(model), engine=engine, prompts=prompts, max_tokens=max_tokens, late=late)
+    spec = dict(model=str(model), engine=engine, prompts=prompts, max_tokens=max_tokens, late=late,
+                prompt_logprobs=prompt_logprobs)
     proc = subprocess.run([sys.executable, str(HERE / "llm_run.py"), json.dumps(spec)], capture_output=True,
                           text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
     if proc.returncode != 0:
