@@ -311,21 +311,22 @@ __attribute__((noinline, target("avx512f,avx512vl,fma"))) void fma512_tile(int64
 #undef DSATTN_F_STORE_ROW
 }
 
-// AVX2: the last 8-column slice is loaded and stored through a lane mask (maskload reads no lane past it).
-template <int MR, int NV>
+// AVX2: a strip whose last 8-column slice is partial (Masked) loads and stores that slice through a lane mask
+// (maskload reads no lane past it); whole strips use plain loads, which vmaskmovps costs more than.
+template <int MR, int NV, bool Masked>
 __attribute__((noinline, target("avx2,fma"))) void fma256_tile(int64_t K, const float* A, int64_t lda, const float* B,
                                                                int64_t ldb, float* C, int64_t ldc, bool add_C,
                                                                int tail_lanes) {
   static_assert(MR >= 1 && MR <= 6 && NV >= 1 && NV <= 2, "a tile is at most 6 rows x 2 column slices");
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(tail_lanes), lanes);
-  const __m256i full = _mm256_set1_epi32(-1);
-#define DSATTN_F_MASK(v) ((v) == NV - 1 ? tail : full)
+#define DSATTN_F_MASKED(v) (Masked && (v) == NV - 1)
+#define DSATTN_F_LD(p, v) (DSATTN_F_MASKED(v) ? _mm256_maskload_ps((p), tail) : _mm256_loadu_ps(p))
 #define DSATTN_F_ROW_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
 #define DSATTN_F_FOR_SLICES(op, r) op(r, 0) op(r, 1)
 #define DSATTN_F_FOR_ROWS(op) op(0) op(1) op(2) op(3) op(4) op(5)
 #define DSATTN_F_LOAD(r, v) \
-  if constexpr (MR > r && NV > v) c##r##v = _mm256_maskload_ps(C + r * ldc + 8 * v, DSATTN_F_MASK(v));
+  if constexpr (MR > r && NV > v) c##r##v = DSATTN_F_LD(C + r * ldc + 8 * v, v);
 #define DSATTN_F_LOAD_ROW(r) DSATTN_F_FOR_SLICES(DSATTN_F_LOAD, r)
 #define DSATTN_F_FMA(r, v) \
   if constexpr (NV > v) c##r##v = _mm256_fmadd_ps(a, b##v, c##r##v);
@@ -334,21 +335,25 @@ __attribute__((noinline, target("avx2,fma"))) void fma256_tile(int64_t K, const 
     const __m256 a = _mm256_broadcast_ss(ak + r * lda); \
     DSATTN_F_FOR_SLICES(DSATTN_F_FMA, r)              \
   }
-#define DSATTN_F_STORE(r, v) \
-  if constexpr (MR > r && NV > v) _mm256_maskstore_ps(C + r * ldc + 8 * v, DSATTN_F_MASK(v), c##r##v);
+#define DSATTN_F_STORE(r, v)                                                                        \
+  if constexpr (MR > r && NV > v) {                                                                   \
+    if constexpr (DSATTN_F_MASKED(v)) _mm256_maskstore_ps(C + r * ldc + 8 * v, tail, c##r##v);        \
+    else _mm256_storeu_ps(C + r * ldc + 8 * v, c##r##v);                                              \
+  }
 #define DSATTN_F_STORE_ROW(r) DSATTN_F_FOR_SLICES(DSATTN_F_STORE, r)
   DSATTN_F_FOR_ROWS(DSATTN_F_ROW_DECL)
   if (add_C) { DSATTN_F_FOR_ROWS(DSATTN_F_LOAD_ROW) }
   const float* b = B;
   const float* ak = A;
   for (int64_t k = 0; k < K; ++k, b += ldb, ++ak) {
-    const __m256 b0 = _mm256_maskload_ps(b, DSATTN_F_MASK(0));
+    const __m256 b0 = DSATTN_F_LD(b, 0);
     __m256 b1 = b0;
-    if constexpr (NV > 1) b1 = _mm256_maskload_ps(b + 8, DSATTN_F_MASK(1));
+    if constexpr (NV > 1) b1 = DSATTN_F_LD(b + 8, 1);
     DSATTN_F_FOR_ROWS(DSATTN_F_FMA_ROW)
   }
   DSATTN_F_FOR_ROWS(DSATTN_F_STORE_ROW)
-#undef DSATTN_F_MASK
+#undef DSATTN_F_MASKED
+#undef DSATTN_F_LD
 #undef DSATTN_F_ROW_DECL
 #undef DSATTN_F_FOR_SLICES
 #undef DSATTN_F_FOR_ROWS
@@ -360,20 +365,25 @@ __attribute__((noinline, target("avx2,fma"))) void fma256_tile(int64_t K, const 
 #undef DSATTN_F_STORE_ROW
 }
 
-template <int LANES, int MR, int NV>
+template <int LANES, int MR, int NV, bool Masked>
 constexpr auto fma_tile() {
   if constexpr (LANES == 16) return &fma512_tile<MR, NV>;
-  else return &fma256_tile<MR, NV>;
+  else return &fma256_tile<MR, NV, Masked>;
 }
 
-// One strip of a class's tiles: its rows in tiles of 6 (then the rest), over a block of K.
+// One strip of a class's tiles: its rows in tiles of 6 (then the rest), over a block of K.  (AVX-512's masked
+// loads cost what plain ones do: one build; AVX2's two, a whole last slice or a partial one.)
 template <int NV, int LANES, typename Tail>
 void fma_strip(int64_t M, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
                bool add_C, Tail tail) {
   using Tile = void (*)(int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t, bool, Tail);
-  static constexpr Tile tiles[7] = {nullptr, fma_tile<LANES, 1, NV>(), fma_tile<LANES, 2, NV>(),
-                                    fma_tile<LANES, 3, NV>(), fma_tile<LANES, 4, NV>(), fma_tile<LANES, 5, NV>(),
-                                    fma_tile<LANES, 6, NV>()};
+  static constexpr Tile whole[7] = {nullptr, fma_tile<LANES, 1, NV, false>(), fma_tile<LANES, 2, NV, false>(),
+                                    fma_tile<LANES, 3, NV, false>(), fma_tile<LANES, 4, NV, false>(),
+                                    fma_tile<LANES, 5, NV, false>(), fma_tile<LANES, 6, NV, false>()};
+  static constexpr Tile masked[7] = {nullptr, fma_tile<LANES, 1, NV, true>(), fma_tile<LANES, 2, NV, true>(),
+                                     fma_tile<LANES, 3, NV, true>(), fma_tile<LANES, 4, NV, true>(),
+                                     fma_tile<LANES, 5, NV, true>(), fma_tile<LANES, 6, NV, true>()};
+  const Tile* tiles = LANES == 16 || tail == Tail(LANES) ? whole : masked;
   for (int64_t r0 = 0; r0 < M; r0 += 6)
     tiles[std::min<int64_t>(6, M - r0)](K, A + r0 * lda, lda, B, ldb, C + r0 * ldc, ldc, add_C, tail);
 }
