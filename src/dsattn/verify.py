@@ -105,7 +105,12 @@ def mla_rows(case: cases.Case, impl: str = "ops", grad: bool = True, grad_abs_fl
             if q.dtype == torch.float32 else [None] * 6
         for n, a, e, e64 in zip(names, got, want, want64):
             if e.numel():
-                rows.append(Row(case.name, n, output_rule(a, e, e64, grad_abs_floor, standard_fallback)))
+                # dsinks sums terms of both signs over every query row of the call: fp32's summation noise over
+                # those rows can exceed 1e-5 of the cancelled total, for the fp32 golden as much as for the
+                # kernel (measured: 2 of 200 fresh TND ratio-128 fp32 draws, the same bits on every CPU class and
+                # GEMM path), so a miss there is held to the spec's fp32 rule on every element instead
+                fallback = standard_fallback or n == "dsinks"
+                rows.append(Row(case.name, n, output_rule(a, e, e64, grad_abs_floor, fallback)))
     return rows
 
 
