@@ -85,6 +85,9 @@ _FACADE = {"sparse_flash_mla": _facade_mla, "sparse_flash_mla_grad": _facade_mla
            "sparse_lightning_indexer_kl_loss_grad": ops.sparse_lightning_indexer_kl_loss_grad}
 
 
+DSINKS_FLOOR = 1e-5      # of max |dsinks|: see mla_rows
+
+
 def mla_rows(case: cases.Case, impl: str = "ops", grad: bool = True, grad_abs_floor: float = 1e-12,
              standard_fallback: bool = False) -> list[Row]:
     q, kw = case.q, case.kwargs
@@ -104,13 +107,16 @@ def mla_rows(case: cases.Case, impl: str = "ops", grad: bool = True, grad_abs_fl
         want64 = reference.sparse_flash_mla_grad(q, dout, go, glse, compute_dtype=torch.float64, **kw) \
             if q.dtype == torch.float32 else [None] * 6
         for n, a, e, e64 in zip(names, got, want, want64):
-            if e.numel():
+            if not e.numel():
+                continue
+            rule = output_rule(a, e, e64, grad_abs_floor, standard_fallback)
+            if n == "dsinks" and e64 is not None and not rule and not standard_fallback:
                 # dsinks sums terms of both signs over every query row of the call: fp32's summation noise over
-                # those rows can exceed 1e-5 of the cancelled total, for the fp32 golden as much as for the
-                # kernel (measured: 2 of 200 fresh TND ratio-128 fp32 draws, the same bits on every CPU class and
-                # GEMM path), so a miss there is held to the spec's fp32 rule on every element instead
-                fallback = standard_fallback or n == "dsinks"
-                rows.append(Row(case.name, n, output_rule(a, e, e64, grad_abs_floor, fallback)))
+                # those rows reaches past 1e-6 of the largest head's total where a head's total cancels
+                # (measured: 2 of 200 fresh TND ratio-128 fp32 draws, 2.4e-7 against totals of ~0.1, the same
+                # bits on every CPU class and GEMM path): its floor is 1e-5 of that scale, rtol 1e-5 as before
+                rule = testing.fp32_math_close(a, e64, floor=DSINKS_FLOOR, abs_floor=grad_abs_floor)
+            rows.append(Row(case.name, n, rule))
     return rows
 
 
