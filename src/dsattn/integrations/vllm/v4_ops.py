@@ -283,7 +283,8 @@ _ROUTING_PROBES = {
 }
 _ROUTING = {"hash_topk_cpu": hash_topk, "biased_topk_cpu": biased_topk}
 _REROUTED: dict = {}                 # op -> (its Library, vLLM's refusal)
-_MOE_INIT: list = []                 # vLLM's DeepseekV4MoE.__init__, once wrapped
+_MOE_INIT: list = []
+_CHECKED: set = set()                # (num_experts, topk) shapes already probed in this process                 # vLLM's DeepseekV4MoE.__init__, once wrapped
 
 
 def routing_refusals(num_experts: int, topk: int) -> dict[str, str]:
@@ -304,6 +305,9 @@ def reroute_refused(num_experts: int, topk: int) -> dict[str, str]:
     """Where vLLM's ``hash_topk_cpu`` / ``biased_topk_cpu`` refuse (num_experts, topk), their CPU kernels become
     :func:`hash_topk` / :func:`biased_topk` for the rest of the process (decided when the model loads, not at its
     first step; these take any expert count and top-k).  Returns the refusals that caused it."""
+    if (num_experts, topk) in _CHECKED:               # (every MoE layer of a model asks with the same shape)
+        return {}
+    _CHECKED.add((num_experts, topk))
     refusals = {n: r for n, r in routing_refusals(num_experts, topk).items() if n not in _REROUTED}
     for name, refusal in refusals.items():
         library = torch.library.Library("_C", "IMPL")
