@@ -52,6 +52,8 @@ def test_which_gemm_paths_promise_invariance(gemm, native_module):
             if gemm in ("own", "fp32"):
                 assert native.gemm_is_own(dtype)
         assert native.gemm_is_own(torch.float32)
+        with pytest.raises(ValueError, match="gemm_is_own: dtype 'bfloat16', 'float16' or 'float32', got 'int8'"):
+            native.gemm_is_own(torch.int8)
         if gemm == "onednn":
             assert not native.gemm_is_own(torch.bfloat16)
 
