@@ -235,8 +235,9 @@ inline void transpose32(const T* src, int64_t ls, int64_t rows, int64_t cols, T*
 // the ukernel's packed panels, [Dp/2][w][2] for each 64-head panel (panel h0 starts at h0 * Dp;
 // a pair of q's dims is one 32-bit word per head, so a panel is the transpose of q's words),
 // else plain fp32 [Dp][Hp].
+// (``panel``: the 16-bit panels' width, PANEL by default; wide_panel<mm_t>() for a wide operand)
 template <typename scalar_t, typename mm_t>
-void pack_query(const scalar_t* q, int64_t H, int64_t D, int64_t Hp, int64_t Dp, mm_t* out) {
+void pack_query(const scalar_t* q, int64_t H, int64_t D, int64_t Hp, int64_t Dp, mm_t* out, int64_t panel = PANEL) {
   const bool padded = H != Hp || D != Dp;
   if constexpr (std::is_same_v<mm_t, float>) {
     if (padded) std::fill(out, out + Dp * Hp, 0.0f);
@@ -254,8 +255,8 @@ void pack_query(const scalar_t* q, int64_t H, int64_t D, int64_t Hp, int64_t Dp,
   } else {
     static_assert(std::is_same_v<scalar_t, mm_t>, "16-bit GEMM operands are the query dtype");
     if (padded) std::fill(out, out + Dp * Hp, mm_t(0));
-    for (int64_t h0 = 0; h0 < Hp && h0 < H; h0 += PANEL) {
-      const int64_t w = std::min(PANEL, Hp - h0), heads = std::min(w, H - h0);
+    for (int64_t h0 = 0; h0 < Hp && h0 < H; h0 += panel) {
+      const int64_t w = std::min(panel, Hp - h0), heads = std::min(w, H - h0);
       mm_t* panel = out + h0 * Dp;
       if (D % 2 == 0) {
         transpose_words(reinterpret_cast<const uint32_t*>(q + h0 * D), D / 2, heads, D / 2,

@@ -110,6 +110,32 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) inline voi
 }
 #endif
 
+// e4m3fn codes -> their values x 2^-8, for a streamed product that scales its sums per block anyway: a
+// code's bits shifted left by 7 are the fp16 bits of that value (the 4-bit exponent lands in fp16's 5-bit field
+// with a bias 8 short, the subnormals land on fp16 subnormals, both exact), and F16C widens fp16 to fp32 in
+// one instruction: 6 instructions per 16 codes where the exact decode above takes 10.  0x7F / 0xFF stay NaN.
+inline float fp8_e4m3fn_float_div256(uint8_t x) { return fp8_e4m3fn_float(x) * 0x1p-8f; }
+
+#if DSATTN_X86
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) inline __m512 fp8x16_div256_avx512(const uint8_t* x) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16(-0x8000)));
+  h = _mm256_mask_mov_epi16(h, _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00));
+  return _mm512_cvtph_ps(h);
+}
+
+// 16 codes as two 8-lane halves (AVX2 + F16C)
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void fp8x16_div256_avx2(const uint8_t* x, __m256& lo, __m256& hi) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16(-0x8000)));
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00), _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+#endif
+
 using DequantFp8 = void (*)(const uint8_t*, int64_t, float, float*);
 
 // AVX-512 F + BW + VL: what the AVX-512 decoders above are compiled for (the avx512 class and up)

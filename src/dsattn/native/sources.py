@@ -7,7 +7,8 @@ import hashlib
 import os
 
 SOURCES = ("module.cpp", "planner.cpp", "attention.cpp", "indexer.cpp", "compressor.cpp", "paged.cpp", "matmul.cpp",
-           "sharedkv.cpp", "flashmla.cpp", "kv_quant.cpp", "v4_model.cpp")
+           "sharedkv.cpp", "flashmla.cpp", "kv_quant.cpp", "v4_model.cpp",
+           "weights.cpp")
 HEADERS = ("attention.h", "common.h", "fp8.h", "gemm.h", "isa.h", "keys.h")
 
 # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled here (without the flag the rows

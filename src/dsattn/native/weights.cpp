@@ -1,0 +1,317 @@
+// Linear layers over FP8 block-scaled weights, read in place (W8A16): y [M, N] = x [M, K] W^T (+ bias), W held as
+// its e4m3fn codes [N, K] (one byte a weight) with one fp32 scale per block of bn rows x bk columns
+// (scale [ceil(N / bn), ceil(K / bk)], the checkpoints' weight_scale_inv), never dequantised into memory.
+//
+// Every element is  y[m, n] = sum over K blocks b of  scale[n / bn, b] * (sum over k in b of code[n, k] x[m, k])
+// in fp32: the codes' values are exact in fp32 (and bf16), the products of a block are summed first and scaled
+// once, as a dequantised weight's product would be up to summation order.  Two paths:
+//   streamed (M <= STREAM_ROWS, decode): each weight row is read once, its codes widened in registers (fp8.h's
+//            fp16 route, 6 instructions per 16 codes) and multiplied into every row of x (widened to fp32 once);
+//            the threads split N.  Bound by the weight bytes a second.
+//   tiled    (prefill): 32 rows of codes x one K block at a time decoded to the GEMM's operand type (exact) in a
+//            thread's scratch, multiplied by x^T (packed once a call) on the kernels' GEMM (gemm.h: AMX,
+//            vdpbf16ps, or dsattn's fp32), each block's product scaled into the rows' sums.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include "common.h"
+#include "fp8.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <type_traits>
+
+#if DSATTN_HAVE_BRGEMM
+
+namespace {
+
+using dsattn_native::Buffer;
+using dsattn_native::round_up;
+
+constexpr int64_t STREAM_ROWS = 8;     // rows of x up to which the weight is streamed (decode)
+constexpr int64_t TILE_N = 128;        // weight rows a tile decodes (fewer, larger GEMM calls)
+
+struct Fp8Problem {
+  int64_t M, N, K, bn, bk, kblocks;
+  const float* x;        // [M, Kx] fp32 (the streamed path: widened, zero past K up to Kx)
+  int64_t Kx;
+  const uint8_t* codes;  // [N, K]
+  const float* scale;    // [ceil(N / bn), kblocks]
+  const float* bias;     // [N] or null
+  float* y;              // [M, N] fp32
+};
+
+// ---- streamed ----
+// One weight row's block sums into acc[m] (16 lanes each), the codes of [k0, k0 + len) (len a multiple of 16,
+// the last block's tail read through a zero-padded copy).
+
+template <int MR>
+inline void stream_rows_generic(const Fp8Problem& p, int64_t n0, int64_t n1) {
+  static const auto lut = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[c] = dsattn_native::fp8_e4m3fn_float_div256(static_cast<uint8_t>(c));
+    return t;
+  }();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.codes + n * p.K;
+    const float* srow = p.scale + (n / p.bn) * p.kblocks;
+    float total[MR] = {};
+    for (int64_t b = 0; b < p.kblocks; ++b) {
+      const int64_t k0 = b * p.bk, k1 = std::min(p.K, k0 + p.bk);
+      float acc[MR] = {};
+      for (int64_t k = k0; k < k1; ++k) {
+        const float w = lut[row[k]];
+        for (int m = 0; m < MR; ++m) acc[m] += w * p.x[m * p.Kx + k];
+      }
+      for (int m = 0; m < MR; ++m) total[m] += (acc[m] * 256.0f) * srow[b];
+    }
+    for (int m = 0; m < MR; ++m) p.y[m * p.N + n] = total[m] + (p.bias ? p.bias[n] : 0.0f);
+  }
+}
+
+#if DSATTN_X86
+// (helpers, not lambdas: a lambda's body does not take its function's target ISA)
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma"), always_inline)) inline void step_avx512(
+    const uint8_t* codes16, const float* x, int64_t Kx, __m512* acc) {
+  const __m512 w = dsattn_native::fp8x16_div256_avx512(codes16);
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * Kx), acc[m]);
+}
+
+template <int MR>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void step_avx2(const uint8_t* codes16, const float* x,
+                                                                               int64_t Kx, __m256* acc) {
+  __m256 lo, hi;
+  dsattn_native::fp8x16_div256_avx2(codes16, lo, hi);
+  for (int m = 0; m < MR; ++m)
+    acc[m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + m * Kx + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + m * Kx), acc[m]));
+}
+
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+void stream_rows_avx512(const Fp8Problem& p, int64_t n0, int64_t n1) {
+  alignas(64) uint8_t tail[16];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.codes + n * p.K;
+    const float* srow = p.scale + (n / p.bn) * p.kblocks;
+    __m512 total[MR];
+    for (int m = 0; m < MR; ++m) total[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < p.kblocks; ++b) {
+      const int64_t k0 = b * p.bk, k1 = std::min(p.K, k0 + p.bk);
+      __m512 acc[MR];
+      for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+      int64_t k = k0;
+      for (; k + 16 <= k1; k += 16) step_avx512<MR>(row + k, p.x + k, p.Kx, acc);
+      if (k < k1) {                                   // K's tail (x is zero there up to Kx)
+        std::memset(tail, 0, 16);
+        std::memcpy(tail, row + k, k1 - k);
+        step_avx512<MR>(tail, p.x + k, p.Kx, acc);
+      }
+      const __m512 s = _mm512_set1_ps(srow[b]), unit = _mm512_set1_ps(256.0f);
+      for (int m = 0; m < MR; ++m) total[m] = _mm512_fmadd_ps(_mm512_mul_ps(acc[m], unit), s, total[m]);
+    }
+    for (int m = 0; m < MR; ++m) p.y[m * p.N + n] = _mm512_reduce_add_ps(total[m]) + (p.bias ? p.bias[n] : 0.0f);
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <int MR>
+__attribute__((target("avx2,fma,f16c")))
+void stream_rows_avx2(const Fp8Problem& p, int64_t n0, int64_t n1) {
+  alignas(32) uint8_t tail[16];
+  alignas(32) float total[MR][8];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.codes + n * p.K;
+    const float* srow = p.scale + (n / p.bn) * p.kblocks;
+    for (int m = 0; m < MR; ++m) _mm256_store_ps(total[m], _mm256_setzero_ps());
+    for (int64_t b = 0; b < p.kblocks; ++b) {
+      const int64_t k0 = b * p.bk, k1 = std::min(p.K, k0 + p.bk);
+      __m256 acc[MR];
+      for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+      int64_t k = k0;
+      for (; k + 16 <= k1; k += 16) step_avx2<MR>(row + k, p.x + k, p.Kx, acc);
+      if (k < k1) {
+        std::memset(tail, 0, 16);
+        std::memcpy(tail, row + k, k1 - k);
+        step_avx2<MR>(tail, p.x + k, p.Kx, acc);
+      }
+      const __m256 s = _mm256_set1_ps(srow[b]), unit = _mm256_set1_ps(256.0f);
+      for (int m = 0; m < MR; ++m)
+        _mm256_store_ps(total[m], _mm256_fmadd_ps(_mm256_mul_ps(acc[m], unit), s, _mm256_load_ps(total[m])));
+    }
+    for (int m = 0; m < MR; ++m) p.y[m * p.N + n] = hsum256(_mm256_load_ps(total[m])) + (p.bias ? p.bias[n] : 0.0f);
+  }
+}
+#endif
+
+template <int MR>
+void stream_rows(const Fp8Problem& p, int64_t n0, int64_t n1) {
+#if DSATTN_X86
+  if (dsattn_native::isa_has(dsattn_native::ISA_AVX512)) return stream_rows_avx512<MR>(p, n0, n1);
+  if (dsattn_native::isa_has(dsattn_native::ISA_AVX2)) return stream_rows_avx2<MR>(p, n0, n1);
+#endif
+  stream_rows_generic<MR>(p, n0, n1);
+}
+
+template <int MR>
+void stream_all(const Fp8Problem& p) {
+  // grains of 16 rows: a thread's share of a decode call is contiguous weight bytes
+  at::parallel_for(0, (p.N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
+    stream_rows<MR>(p, g0 * 16, std::min(p.N, g1 * 16));
+  });
+}
+
+void stream(const Fp8Problem& p) {
+  switch (p.M) {
+    case 1: return stream_all<1>(p);
+    case 2: return stream_all<2>(p);
+    case 3: return stream_all<3>(p);
+    case 4: return stream_all<4>(p);
+    case 5: return stream_all<5>(p);
+    case 6: return stream_all<6>(p);
+    case 7: return stream_all<7>(p);
+    default: return stream_all<8>(p);
+  }
+}
+
+// ---- tiled ----
+
+// codes [rows, len] of one block -> their exact values as mm_t, row stride ld (pairs padded with zero).  bf16 by
+// table where the CPU has VBMI (fp8.h: 9 instructions per 64 codes), else the fp32 values' high halves (exact:
+// every e4m3 value is a bf16 value).
+#if DSATTN_X86
+// 64-code runs of one row by table; returns how many codes it decoded
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) int64_t fp8_bf16_runs_vbmi(const uint8_t* x, int64_t n, uint16_t* out) {
+  const dsattn_native::Fp8Bf16Tables& tables = dsattn_native::fp8_bf16_tables();
+  int64_t d = 0;
+  for (; d + 64 <= n; d += 64) dsattn_native::fp8x64_bf16_vbmi(x + d, out + d, tables);
+  return d;
+}
+#endif
+
+template <typename mm_t>
+void decode_block(const uint8_t* codes, int64_t ldc, int64_t rows, int64_t len, int64_t ld, mm_t* out, float* wide) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* src = codes + i * ldc;
+    mm_t* dst = out + i * ld;
+    int64_t k = 0;
+    if constexpr (std::is_same_v<mm_t, float>) {
+      dsattn_native::dequant_tile_fp8(src, len, 1.0f, dst);
+      k = len;
+    } else if constexpr (std::is_same_v<mm_t, c10::BFloat16>) {
+      uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+#if DSATTN_X86
+      if (dsattn_native::isa_has_avx512vbmi()) k = fp8_bf16_runs_vbmi(src, len, bits);
+#endif
+      dsattn_native::dequant_tile_fp8(src + k, len - k, 1.0f, wide);
+      for (int64_t j = 0; j < len - k; ++j) bits[k + j] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, wide[j]) >> 16);
+      k = len;
+    } else {
+      dsattn_native::dequant_tile_fp8(src, len, 1.0f, wide);
+      for (; k < len; ++k) dst[k] = static_cast<mm_t>(wide[k]);
+    }
+    for (k = len; k < ld; ++k) dst[k] = mm_t(0);
+  }
+}
+
+template <typename scalar_t, typename mm_t>
+void tiled(const Fp8Problem& p, const scalar_t* x) {
+  constexpr bool packed = !std::is_same_v<mm_t, float>;
+  const int64_t M = p.M, N = p.N, K = p.K;
+  const int64_t Kp = packed ? round_up(K, 2) : K, Mp = round_up(M, 16);
+  const int64_t bkp = packed ? round_up(p.bk, 2) : p.bk;
+  const int64_t panel = dsattn_native::wide_panel<mm_t>();
+  Buffer<mm_t> xt(Kp * Mp);
+  dsattn_native::pack_query(x, M, K, Mp, Kp, xt.data(), panel);   // x^T: the GEMM's B operand, as a query row's q^T
+  // a thread takes TILE_N weight rows: each block of their codes is decoded once and multiplied by every panel of x^T
+  at::parallel_for(0, (N + TILE_N - 1) / TILE_N, 1, [&](int64_t c0, int64_t c1) {
+    Buffer<mm_t> a(TILE_N * bkp);
+    Buffer<float> wide(bkp), prod(TILE_N * std::min(panel, Mp)), sums(TILE_N * Mp);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * TILE_N, rows = std::min(TILE_N, N - n0);
+      std::fill(sums.begin(), sums.begin() + rows * Mp, 0.0f);
+      for (int64_t b = 0; b < p.kblocks; ++b) {
+        const int64_t k0 = b * p.bk, len = std::min(p.bk, K - k0), kc = packed ? round_up(len, 2) : len;
+        decode_block(p.codes + n0 * K + k0, K, rows, len, bkp, a.data(), wide.data());
+        for (int64_t t0 = 0; t0 < Mp; t0 += panel) {
+          const int64_t w = std::min(panel, Mp - t0);
+          if constexpr (packed)
+            dsattn_native::gemm(rows, w, kc, bkp, w, w, false, a.data(), xt.data() + t0 * Kp + k0 * w, prod.data(), true);
+          else
+            dsattn_native::gemm(rows, w, kc, bkp, Mp, w, false, a.data(), xt.data() + k0 * Mp + t0, prod.data(), false);
+          for (int64_t i = 0; i < rows; ++i) {
+            const float s = p.scale[((n0 + i) / p.bn) * p.kblocks + b];
+            float* si = sums.data() + i * Mp + t0;
+            const float* pi = prod.data() + i * w;
+            for (int64_t t = 0; t < w; ++t) si[t] += pi[t] * s;
+          }
+        }
+      }
+      if (p.bias)
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t t = 0; t < M; ++t) sums[i * Mp + t] += p.bias[n0 + i];
+      dsattn_native::transpose32(sums.data(), Mp, rows, M, p.y + n0, N);
+    }
+    dsattn_native::gemm_release<mm_t>();
+  });
+}
+
+}  // namespace
+
+// y = x W^T (+ bias) for W given as e4m3fn codes [N, K] (uint8) with fp32 scales per (bn x bk) block; x [M, K]
+// bf16 / fp16 / fp32, y [M, N] in x's dtype.  The Python op (dsattn.weights) has checked every argument.
+at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t bn, int64_t bk,
+                            const c10::optional<at::Tensor>& bias, int64_t stream_rows_max) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "fp8_block_linear: x [M, K] contiguous, codes uint8 [N, K] contiguous, scale fp32 contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && bn > 0 && bk > 0 && bk % 16 == 0, "fp8_block_linear: shapes");
+  const int64_t kblocks = (K + bk - 1) / bk;
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == (N + bn - 1) / bn && scale.size(1) == kblocks,
+              "fp8_block_linear: scale shape");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y.to(x.scalar_type());
+  at::Tensor b32;
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  if (K == 0) {
+    y.zero_();
+    if (bias.has_value()) y.add_(b32);
+    return y.to(x.scalar_type());
+  }
+  Fp8Problem p{M, N, K, bn, bk, kblocks, nullptr, 0, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+               bias.has_value() ? b32.data_ptr<float>() : nullptr, y.data_ptr<float>()};
+  // streamed up to STREAM_ROWS rows; AMX's tiles overtake it from 5 rows on
+  const int64_t best = dsattn_native::gemm_kind(x.scalar_type()) == dsattn_native::KIND_AMX ? 4 : STREAM_ROWS;
+  const int64_t limit = std::min<int64_t>(stream_rows_max < 0 ? best : stream_rows_max, STREAM_ROWS);
+  if (M <= limit) {
+    // x widened to fp32, rows padded with zeros to a multiple of 16 (the last block's tail)
+    p.Kx = round_up(K, 16);
+    at::Tensor xf = at::zeros({M, p.Kx}, x.options().dtype(at::kFloat));
+    xf.narrow(1, 0, K).copy_(x);
+    p.x = xf.data_ptr<float>();
+    stream(p);
+  } else {
+    dsattn_native::dispatch_gemm(x.scalar_type(), [&](auto s, auto m) {
+      using scalar_t = decltype(s);
+      tiled<scalar_t, decltype(m)>(p, reinterpret_cast<const scalar_t*>(x.data_ptr()));
+    });
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+#else  // !DSATTN_HAVE_BRGEMM
+
+at::Tensor fp8_block_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                            const c10::optional<at::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled FP8 linear is not available");
+}
+
+#endif

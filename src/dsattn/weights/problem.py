@@ -1,0 +1,94 @@
+"""The arguments of ``fp8_block_linear``, checked once: the dtypes, the shapes, the block."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales (``float8_e8m0fnu``, or its bits as uint8) -> float32 2^(e - 127); 0xFF is NaN."""
+    if scale.dtype == torch.uint8:
+        scale = scale.view(torch.float8_e8m0fnu)
+    if scale.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"scale: expected float8_e8m0fnu or uint8 (ue8m0 bits), got {scale.dtype}")
+    return scale.to(torch.float32)
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block=(128, 128), ue8m0: bool = False):
+    """``w`` [N, K] -> (e4m3fn codes [N, K], float32 scales [ceil(N / bn), ceil(K / bk)]): each block's largest
+    magnitude maps to 448 (``ue8m0``: the scale rounded up to a power of two, as DeepSeek-V4's checkpoints)."""
+    bn, bk = block
+    N, K = w.shape
+    nb, kb = -(-N // bn), -(-K // bk)
+    padded = w.new_zeros(nb * bn, kb * bk, dtype=torch.float32)
+    padded[:N, :K] = w.float()
+    blocks = padded.view(nb, bn, kb, bk)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-30)
+    scale = amax / 448.0
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes.view(nb * bn, kb * bk)[:N, :K].contiguous(), scale.contiguous()
+
+
+@dataclass
+class Fp8LinearProblem:
+    x: torch.Tensor            # [M, K], the model dtype
+    codes: torch.Tensor        # [N, K] uint8 (e4m3fn bits)
+    scale: torch.Tensor        # [ceil(N / bn), ceil(K / bk)] float32
+    bn: int
+    bk: int
+    bias: torch.Tensor | None
+    out_shape: tuple
+
+    @property
+    def M(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def N(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def K(self) -> int:
+        return self.codes.shape[1]
+
+
+def parse_fp8_linear(x, weight, weight_scale, block_size, bias=None) -> Fp8LinearProblem:
+    if not isinstance(x, torch.Tensor) or x.dtype not in ACT_DTYPES:
+        raise TypeError(f"x: expected a bfloat16 / float16 / float32 tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() < 1:
+        raise ValueError("x: expected [..., K], got a 0-dim tensor")
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"weight: expected float8_e4m3fn codes (or their bits as uint8), got "
+                        f"{getattr(weight, 'dtype', type(weight).__name__)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected [N, K], got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x: last dim {x.shape[-1]} must equal weight's K={K}")
+    block = list(block_size)
+    if len(block) != 2 or any(int(b) <= 0 for b in block):
+        raise ValueError(f"block_size: expected [block_n, block_k], both positive, got {block}")
+    bn, bk = (int(b) for b in block)
+    if not isinstance(weight_scale, torch.Tensor) or weight_scale.dtype not in SCALE_DTYPES + (torch.uint8,):
+        raise TypeError(f"weight_scale: expected float32 or float8_e8m0fnu (ue8m0), got "
+                        f"{getattr(weight_scale, 'dtype', type(weight_scale).__name__)}")
+    want = (-(-N // bn), -(-K // bk))
+    if tuple(weight_scale.shape) != want:
+        raise ValueError(f"weight_scale: expected shape [ceil(N / {bn}), ceil(K / {bk})] = {list(want)} for weight "
+                         f"[{N}, {K}], got {list(weight_scale.shape)}")
+    scale = weight_scale if weight_scale.dtype == torch.float32 else e8m0_to_float(weight_scale)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (N,):
+            raise ValueError(f"bias: expected [N={N}], got {getattr(bias, 'shape', type(bias).__name__)}")
+    for name, t in (("weight", weight), ("weight_scale", weight_scale), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, x on {x.device}: expected one device")
+    return Fp8LinearProblem(x=x.reshape(-1, K), codes=weight.view(torch.uint8), scale=scale.contiguous(), bn=bn, bk=bk,
+                            bias=bias, out_shape=(*x.shape[:-1], N))

@@ -1,0 +1,126 @@
+"""``fp8_block_linear`` (W8A16 over FP8 block-scaled weights) against its float64 golden: both compiled paths
+(streamed for decode rows, tiled for prefill) on every ``DSATTN_CPU_ISA`` class, the PyTorch path, the edge
+codes and scales, bad input."""
+import pytest
+import torch
+
+import dsattn
+from dsattn.weights import dispatch, e8m0_to_float, quantize_fp8_blocks, ref
+from dsattn.weights.fast import linear_native, linear_torch
+from dsattn.weights.problem import parse_fp8_linear
+
+PATHS = {"streamed": -1, "tiled": 0}
+# fp32 sums: a few ulps of each product's magnitude; 16-bit outputs add their own rounding
+OUT_EPS = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def _random_codes(N, K, gen):
+    codes = torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=gen)
+    return torch.where(codes & 0x7F == 0x7F, codes ^ 0x01, codes)         # no NaN codes unless a test asks
+
+
+def _check(y, x, codes, scale, block, bias=None):
+    want = ref.fp8_block_linear(x, codes, scale, block, bias)
+    bound = (x.double().abs().reshape(-1, x.shape[-1]) @ ref.dequantize(codes, scale, *block).abs().T).reshape(want.shape)
+    tol = 2e-6 * bound + OUT_EPS[x.dtype] * want.abs() + 1e-30
+    assert y.dtype == x.dtype and y.shape == want.shape
+    err = (y.double() - want).abs()
+    assert not torch.isnan(y).any() or torch.isnan(want).any(), "NaN never passes"
+    finite = ~torch.isnan(want)
+    assert torch.equal(torch.isnan(y), ~finite), "NaN exactly where the golden has one"
+    bad = (err > tol) & finite
+    assert not bad.any(), f"{int(bad.sum())} of {y.numel()} elements off; worst {float((err - tol)[finite].max()):.3g}"
+
+
+def _run(path, x, codes, scale, block, bias=None):
+    P = parse_fp8_linear(x, codes, scale, block, bias)
+    return linear_torch(P) if path == "torch" else linear_native(P, PATHS[path])
+
+
+@pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("M,N,K,block", [(1, 300, 200, (128, 128)), (3, 129, 257, (128, 128)), (8, 64, 96, (32, 32)),
+                                         (9, 17, 48, (1, 16)), (40, 576, 512, (128, 128)), (0, 32, 64, (128, 128)),
+                                         (5, 7, 130, (64, 48))])
+def test_matches_golden(path, dtype, M, N, K, block):
+    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+    codes = _random_codes(N, K, gen)
+    scale = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=gen) * 0.02 + 1e-3
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    bias = torch.randn(N, generator=gen) if M % 2 else None
+    _check(_run(path, x, codes, scale, block, bias), x, codes, scale, block, bias)
+
+
+@pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
+def test_leading_dims_and_the_op(path):
+    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+    w = torch.randn(192, 256, generator=gen)
+    codes, scale = quantize_fp8_blocks(w)
+    x = torch.randn(2, 3, 256, generator=gen)
+    _check(_run(path, x, codes, scale, (128, 128)), x, codes, scale, (128, 128))
+    y = dsattn.ops.fp8_block_linear(x, codes, scale, [128, 128])
+    _check(y, x, codes, scale, (128, 128))
+    assert dispatch.choose(parse_fp8_linear(x, codes, scale, [128, 128])).name == "compiled"
+
+
+@pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
+def test_zero_blocks_nan_codes_and_extreme_scales(path):
+    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+    N, K, block = 260, 384, (128, 128)
+    codes = _random_codes(N, K, gen)
+    codes[:128, 128:256] = 0                        # a zero block
+    codes[200, 300] = 0x7F                          # NaN codes: their rows' outputs are NaN, no other
+    codes[5, 10] = 0xFF
+    # ue8m0 extremes, with codes small enough that the products stay finite: 2^127 on the smallest codes
+    # (subnormals, 2^-9 .. 7 x 2^-9), 2^-127 (an fp32 subnormal) elsewhere
+    codes[128:256, :128] = torch.randint(0, 8, (128, 128), dtype=torch.uint8, generator=gen)
+    e8 = torch.full((3, 3), 120, dtype=torch.uint8)
+    e8[1, 0], e8[0, 2] = 254, 0
+    scale = e8m0_to_float(e8)
+    assert scale[1, 0] == 2.0 ** 127 and scale[0, 2] == 2.0 ** -127
+    x = torch.randn(4, K, generator=gen) * 1e-3
+    y = _run(path, x, codes, scale, block)
+    _check(y, x, codes, scale, block)
+    assert torch.isnan(y[:, 200]).all() and torch.isnan(y[:, 5]).all()
+    assert torch.isfinite(y[:, 128:200]).all() and y[:, 128:200].abs().max() > 1e30
+    # the same scales given as e8m0 to the op
+    _check(dsattn.ops.fp8_block_linear(x, codes, e8.view(torch.float8_e8m0fnu), [128, 128]), x, codes, scale, block)
+
+
+def test_quantize_round_trip():
+    w = torch.randn(300, 200)
+    for ue8m0 in (False, True):
+        codes, scale = quantize_fp8_blocks(w, (128, 128), ue8m0=ue8m0)
+        assert codes.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
+        back = ref.dequantize(codes, scale, 128, 128).float()
+        assert (back - w).abs().max() <= w.abs().max() * 2 ** -3
+        if ue8m0:
+            assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))
+
+
+def test_bad_input_is_named():
+    codes, scale = quantize_fp8_blocks(torch.randn(256, 256))
+    x = torch.randn(2, 256)
+    with pytest.raises(ValueError, match=r"weight_scale: expected shape \[ceil\(N / 128\), ceil\(K / 128\)\] = \[2, 2\]"):
+        dsattn.ops.fp8_block_linear(x, codes, scale[:1], [128, 128])
+    with pytest.raises(ValueError, match="block_size"):
+        dsattn.ops.fp8_block_linear(x, codes, scale, [0, 128])
+    with pytest.raises(TypeError, match="weight: expected float8_e4m3fn"):
+        dsattn.ops.fp8_block_linear(x, codes.float(), scale, [128, 128])
+    with pytest.raises(TypeError, match="weight_scale: expected float32 or float8_e8m0fnu"):
+        dsattn.ops.fp8_block_linear(x, codes, scale.half(), [128, 128])
+    with pytest.raises(TypeError, match="x: expected"):
+        dsattn.ops.fp8_block_linear(x.double(), codes, scale, [128, 128])
+    with pytest.raises(ValueError, match="x: last dim 255"):
+        dsattn.ops.fp8_block_linear(x[:, :255], codes, scale, [128, 128])
+    with pytest.raises(ValueError, match=r"bias: expected \[N=256\]"):
+        dsattn.ops.fp8_block_linear(x, codes, scale, [128, 128], torch.zeros(3))
+
+
+def test_fake_kernel_traces():
+    codes, scale = quantize_fp8_blocks(torch.randn(64, 128))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(3, 5, 128, dtype=torch.bfloat16))
+        y = torch.ops.dsattn.fp8_block_linear(x, mode.from_tensor(codes), mode.from_tensor(scale), [128, 128])
+    assert y.shape == (3, 5, 64) and y.dtype == torch.bfloat16
