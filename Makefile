@@ -63,7 +63,7 @@ demo: $(VENV)/.wheel
 # the compiled kernels' tests, run again under each CPU class below this machine's own (DSATTN_CPU_ISA, with
 # oneDNN / MKL / ATen capped too): every class's code runs on every machine
 KERNEL_TESTS := tests/test_native_kernels.py tests/test_gemm_kernel.py tests/test_quant_indexer.py \
-	tests/test_sharedkv_compiled.py tests/test_cpu_isa.py tests/test_vendor_invariance.py
+	tests/test_sharedkv_compiled.py tests/test_cpu_isa.py tests/test_vendor_invariance.py tests/test_fp8_linear.py
 
 # DeepSeek-V4 served with vLLM's AVX-512 and AVX2 kernel libraries (DSATTN_CPU_ISA makes the plug-in load them; the
 # V4 ops they lack are dsattn's)
