@@ -124,3 +124,72 @@ def test_fake_kernel_traces():
         x = mode.from_tensor(torch.randn(3, 5, 128, dtype=torch.bfloat16))
         y = torch.ops.dsattn.fp8_block_linear(x, mode.from_tensor(codes), mode.from_tensor(scale), [128, 128])
     assert y.shape == (3, 5, 64) and y.dtype == torch.bfloat16
+
+
+# ---- MXFP4 (DeepSeek-V4's routed experts) ----
+
+def _run_fp4(path, x, codes, scale, bias=None):
+    from dsattn.weights.problem import parse_mxfp4_linear
+    P = parse_mxfp4_linear(x, codes, scale, bias)
+    return linear_torch(P) if path == "torch" else linear_native(P, PATHS[path])
+
+
+def _check_fp4(y, x, codes, scale, bias=None):
+    want = ref.mxfp4_linear(x, codes, scale, bias)
+    w = ref.dequantize_mxfp4(codes, scale)
+    bound = (x.double().abs().reshape(-1, x.shape[-1]) @ w.abs().T).reshape(want.shape)
+    tol = 2e-6 * bound + OUT_EPS[x.dtype] * want.abs() + 1e-30
+    assert y.dtype == x.dtype and y.shape == want.shape
+    finite = ~torch.isnan(want)
+    assert torch.equal(torch.isnan(y), ~finite), "NaN exactly where the golden has one"
+    bad = ((y.double() - want).abs() > tol) & finite
+    assert not bad.any(), f"{int(bad.sum())} of {y.numel()} elements off"
+
+
+@pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("M,N,K", [(1, 300, 64), (3, 129, 288), (8, 64, 512), (9, 17, 32), (40, 100, 544), (0, 8, 64)])
+def test_mxfp4_matches_golden(path, dtype, M, N, K):
+    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(120, 131, (N, K // 32), dtype=torch.uint8, generator=gen)   # ue8m0: 2^-7 .. 2^3
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    bias = torch.randn(N, generator=gen) if M % 2 else None
+    _check_fp4(_run_fp4(path, x, codes, scale, bias), x, codes, scale, bias)
+
+
+@pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
+def test_mxfp4_extreme_scales_and_the_op(path):
+    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+    N, K = 40, 256
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.full((N, K // 32), 127, dtype=torch.uint8)
+    scale[:10, 2] = 254                  # 2^127 on codes of 0.5 at most: 2^126 products of x ~ 1e-3
+    codes[:10, 32:48] &= 0x99            # (magnitudes 0 / 0.5 only)
+    scale[10:20, 5] = 0                  # 2^-127, an fp32 subnormal
+    scale[20, 1] = 255                   # NaN scale: that row's outputs NaN
+    x = torch.randn(6, K, generator=gen) * 1e-3
+    y = _run_fp4(path, x, codes, scale)
+    _check_fp4(y, x, codes, scale)
+    assert torch.isnan(y[:, 20]).all() and torch.isfinite(y[:, :20]).all() and y[:, :10].abs().max() > 1e30
+    # the op, with the scales as float8_e8m0fnu
+    _check_fp4(dsattn.ops.mxfp4_linear(x, codes, scale.view(torch.float8_e8m0fnu)), x, codes, scale)
+
+
+def test_mxfp4_round_trip_and_bad_input():
+    from dsattn.weights import quantize_mxfp4
+    w = torch.randn(50, 96)
+    codes, scale = quantize_mxfp4(w)
+    assert codes.shape == (50, 48) and scale.shape == (50, 3)
+    back = ref.dequantize_mxfp4(codes, scale).float()
+    group_max = w.abs().reshape(50, 3, 32).amax(-1).repeat_interleave(32, 1)
+    assert ((back - w).abs() <= group_max / 4 + 1e-6).all()       # within half e2m1's coarsest step of the group
+    x = torch.randn(2, 96)
+    with pytest.raises(ValueError, match=r"weight_scale: expected shape \[N, K / 32\] = \[50, 3\]"):
+        dsattn.ops.mxfp4_linear(x, codes, scale[:, :2])
+    with pytest.raises(ValueError, match="x: last dim 95 must equal 2 x weight's packed columns = 96"):
+        dsattn.ops.mxfp4_linear(x[:, :95], codes, scale)
+    with pytest.raises(TypeError, match="weight: expected e2m1 codes packed two a byte"):
+        dsattn.ops.mxfp4_linear(x, codes.float(), scale)
+    with pytest.raises(ValueError, match="a multiple of 32"):
+        dsattn.ops.mxfp4_linear(torch.randn(2, 80), codes[:, :40], scale[:, :2])

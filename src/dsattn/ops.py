@@ -25,8 +25,10 @@ sparse_attn_sharedkv_packed = op_function("sparse_attn_sharedkv_packed")
 sparse_attn_sharedkv_metadata = op_function("sparse_attn_sharedkv_metadata")
 quant_lightning_indexer = op_function("quant_lightning_indexer")
 fp8_block_linear = op_function("fp8_block_linear")
+mxfp4_linear = op_function("mxfp4_linear")
 
 __all__ = ["lightning_indexer", "sparse_lightning_indexer_kl_loss_grad", "sparse_flash_mla",
            "sparse_flash_mla_grad", "compressor", "compressor_inference", "dynamic_block_quant", "dequant_block",
            "kv_rmsnorm_rope_quant_cache", "kv_quant_sparse_flash_attention", "sparse_attn_sharedkv",
-           "sparse_attn_sharedkv_packed", "sparse_attn_sharedkv_metadata", "quant_lightning_indexer", "fp8_block_linear"]
+           "sparse_attn_sharedkv_packed", "sparse_attn_sharedkv_metadata", "quant_lightning_indexer", "fp8_block_linear",
+           "mxfp4_linear"]

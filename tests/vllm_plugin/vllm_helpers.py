@@ -88,6 +88,20 @@ def hf_greedy(model_dir, prompts, max_tokens, dtype=torch.float32):
     return res
 
 
+def hf_prompt_logprobs(model_dir, prompts, dtype=torch.float32):
+    """transformers' teacher-forced log-prob of each prompt token after the first (what vLLM's ``prompt_logprobs``
+    gives), and the top-5 of the next token after each whole prompt."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager").eval()
+    res = []
+    with torch.no_grad():
+        for p in prompts:
+            lps = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)
+            res.append(dict(prompt_logprobs=lps[:-1].gather(1, torch.tensor(p[1:])[:, None])[:, 0].tolist(),
+                            top5=lps[-1].topk(5).indices.tolist()))
+    return res
+
+
 @contextmanager
 def fp8_cache_rounding():
     """transformers' caches hold what vLLM's ``fp8_ds_mla`` caches hold: the latent rows FlashMLA's

@@ -41,8 +41,8 @@ bool indexer_head_sums_match(int64_t H, int64_t n);
 bool indexer_codes_match();
 torch::Tensor index_codes_bf16(const torch::Tensor& codes, bool fp8);
 std::vector<at::Tensor> rows_matmul(const at::Tensor& a, const std::vector<at::Tensor>& bs);
-at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t bn, int64_t bk,
-                            const c10::optional<at::Tensor>& bias, int64_t stream_rows_max);
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t bn, int64_t bk,
+                        const c10::optional<at::Tensor>& bias, const std::string& format, int64_t stream_rows_max);
 
 at::Tensor compressor_pool(const at::Tensor& kv_new, const at::Tensor& sc_new, const at::Tensor& state,
                            const at::Tensor& kind, const at::Tensor& new_at, const at::Tensor& state_at,
@@ -183,10 +183,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "test hook: the quantised indexer's int8 / fp8 code decodes equal c10's for all 256 codes, every operand type");
   m.def("indexer_head_sums_match", &indexer_head_sums_match,
         "test hook: the indexer's head sums in key-major and head-major layouts give the same bits");
-  m.def("fp8_block_linear", &fp8_block_linear,
-        "x W^T (+ bias) with W as e4m3fn codes [N, K] and fp32 scales per (bn x bk) block, read in place",
+  m.def("quant_linear", &quant_linear,
+        "x W^T (+ bias) with W as codes (fp8: e4m3fn [N, K]; fp4: e2m1 pairs [N, K / 2]) and fp32 scales per "
+        "(bn x bk) block, read in place",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("bn"), py::arg("bk"), py::arg("bias") = py::none(),
-        py::arg("stream_rows_max") = -1);
+        py::arg("format") = "fp8", py::arg("stream_rows_max") = -1);
   m.def("rows_matmul", &rows_matmul,
         "a [R, K] times each b [N, K] transposed, fp32; each row's result independent of the other rows and of the "
         "thread count; a is packed once for every b");

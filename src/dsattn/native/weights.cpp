@@ -1,10 +1,14 @@
-// Linear layers over FP8 block-scaled weights, read in place (W8A16): y [M, N] = x [M, K] W^T (+ bias), W held as
-// its e4m3fn codes [N, K] (one byte a weight) with one fp32 scale per block of bn rows x bk columns
-// (scale [ceil(N / bn), ceil(K / bk)], the checkpoints' weight_scale_inv), never dequantised into memory.
+// Linear layers over block-scaled quantised weights, read in place (W8A16 / W4A16): y [M, N] = x [M, K] W^T (+ bias),
+// W held as its codes, never dequantised into memory, in one of two formats:
+//   FP8    e4m3fn codes [N, K] (a byte a weight) with one fp32 scale per block of bn rows x bk columns (scale
+//          [ceil(N / bn), ceil(K / bk)]: DeepSeek-V3.2 / GLM-5's weight_scale_inv, DeepSeek-V4's ue8m0 widened);
+//   MXFP4  e2m1 codes two a byte [N, K / 2] (element 2i in the low nibble) with one scale per row and 32 columns
+//          (bn 1, bk 32: DeepSeek-V4's routed experts, their ue8m0 scales widened).
 //
 // Every element is  y[m, n] = sum over K blocks b of  scale[n / bn, b] * (sum over k in b of code[n, k] x[m, k])
 // in fp32: the codes' values are exact in fp32 (and bf16), the products of a block are summed first and scaled
-// once, as a dequantised weight's product would be up to summation order.  Two paths:
+// once, as a dequantised weight's product would be up to summation order (the tiled MXFP4 path folds the power-of-
+// two scale into the decoded values instead: exact too, but for values past fp32's range).  Two paths:
 //   streamed (M <= STREAM_ROWS, decode): each weight row is read once, its codes widened in registers (fp8.h's
 //            fp16 route, 6 instructions per 16 codes) and multiplied into every row of x (widened to fp32 once);
 //            the threads split N.  Bound by the weight bytes a second.
@@ -21,6 +25,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #if DSATTN_HAVE_BRGEMM
@@ -33,11 +38,16 @@ using dsattn_native::round_up;
 constexpr int64_t STREAM_ROWS = 8;     // rows of x up to which the weight is streamed (decode)
 constexpr int64_t TILE_N = 128;        // weight rows a tile decodes (fewer, larger GEMM calls)
 
-struct Fp8Problem {
+enum class Codes { FP8, FP4 };
+
+// bytes of a row of codes, and where code k of a row starts
+template <Codes F> constexpr int64_t code_bytes(int64_t k) { return F == Codes::FP8 ? k : k / 2; }
+
+struct QuantProblem {
   int64_t M, N, K, bn, bk, kblocks;
   const float* x;        // [M, Kx] fp32 (the streamed path: widened, zero past K up to Kx)
   int64_t Kx;
-  const uint8_t* codes;  // [N, K]
+  const uint8_t* codes;  // [N, code_bytes(K)]
   const float* scale;    // [ceil(N / bn), kblocks]
   const float* bias;     // [N] or null
   float* y;              // [M, N] fp32
@@ -47,54 +57,84 @@ struct Fp8Problem {
 // One weight row's block sums into acc[m] (16 lanes each), the codes of [k0, k0 + len) (len a multiple of 16,
 // the last block's tail read through a zero-padded copy).
 
-template <int MR>
-inline void stream_rows_generic(const Fp8Problem& p, int64_t n0, int64_t n1) {
+// e2m1 codes -> 2 x their values (integers, exact as int8: 0 1 2 3 4 6 8 12, bit 3 the sign); the factor 1/2 goes
+// into the block's scale step
+constexpr int8_t E2M1_TWICE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// what a decoded code is times its value: FP8 codes widen through fp16 to value / 256, FP4 codes to 2 x value
+template <Codes F> constexpr float CODE_UNIT = F == Codes::FP8 ? 256.0f : 0.5f;
+
+template <Codes F>
+inline float code_value_scaled(const uint8_t* row, int64_t k) {   // the value / CODE_UNIT, as the vector paths give it
+  if constexpr (F == Codes::FP8) {
+    return dsattn_native::fp8_e4m3fn_float_div256(row[k]);
+  } else {
+    return static_cast<float>(E2M1_TWICE[(row[k / 2] >> (4 * (k & 1))) & 0xF]);
+  }
+}
+
+template <int MR, Codes F>
+inline void stream_rows_generic(const QuantProblem& p, int64_t n0, int64_t n1) {
   static const auto lut = [] {
     std::array<float, 256> t{};
     for (int c = 0; c < 256; ++c) t[c] = dsattn_native::fp8_e4m3fn_float_div256(static_cast<uint8_t>(c));
     return t;
   }();
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = p.codes + n * p.K;
+    const uint8_t* row = p.codes + n * code_bytes<F>(p.K);
     const float* srow = p.scale + (n / p.bn) * p.kblocks;
     float total[MR] = {};
     for (int64_t b = 0; b < p.kblocks; ++b) {
       const int64_t k0 = b * p.bk, k1 = std::min(p.K, k0 + p.bk);
       float acc[MR] = {};
       for (int64_t k = k0; k < k1; ++k) {
-        const float w = lut[row[k]];
+        const float w = F == Codes::FP8 ? lut[row[k]] : code_value_scaled<F>(row, k);
         for (int m = 0; m < MR; ++m) acc[m] += w * p.x[m * p.Kx + k];
       }
-      for (int m = 0; m < MR; ++m) total[m] += (acc[m] * 256.0f) * srow[b];
+      for (int m = 0; m < MR; ++m) total[m] += (acc[m] * CODE_UNIT<F>) * srow[b];
     }
     for (int m = 0; m < MR; ++m) p.y[m * p.N + n] = total[m] + (p.bias ? p.bias[n] : 0.0f);
   }
 }
 
 #if DSATTN_X86
+// 16 e2m1 codes (8 bytes) -> 2 x their values: the nibbles put in element order, looked up as int8, widened
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m128i fp4x16_twice_i8(const uint8_t* x) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)), low = _mm_set1_epi8(0x0F);
+  const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(E2M1_TWICE)), nibbles);
+}
+
 // (helpers, not lambdas: a lambda's body does not take its function's target ISA)
-template <int MR>
+template <int MR, Codes F>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma"), always_inline)) inline void step_avx512(
     const uint8_t* codes16, const float* x, int64_t Kx, __m512* acc) {
-  const __m512 w = dsattn_native::fp8x16_div256_avx512(codes16);
+  __m512 w;
+  if constexpr (F == Codes::FP8) w = dsattn_native::fp8x16_div256_avx512(codes16);
+  else w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(fp4x16_twice_i8(codes16)));
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * Kx), acc[m]);
 }
 
-template <int MR>
+template <int MR, Codes F>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void step_avx2(const uint8_t* codes16, const float* x,
                                                                                int64_t Kx, __m256* acc) {
   __m256 lo, hi;
-  dsattn_native::fp8x16_div256_avx2(codes16, lo, hi);
+  if constexpr (F == Codes::FP8) {
+    dsattn_native::fp8x16_div256_avx2(codes16, lo, hi);
+  } else {
+    const __m128i v = fp4x16_twice_i8(codes16);
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+  }
   for (int m = 0; m < MR; ++m)
     acc[m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + m * Kx + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + m * Kx), acc[m]));
 }
 
-template <int MR>
+template <int MR, Codes F>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
-void stream_rows_avx512(const Fp8Problem& p, int64_t n0, int64_t n1) {
+void stream_rows_avx512(const QuantProblem& p, int64_t n0, int64_t n1) {
   alignas(64) uint8_t tail[16];
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = p.codes + n * p.K;
+    const uint8_t* row = p.codes + n * code_bytes<F>(p.K);
     const float* srow = p.scale + (n / p.bn) * p.kblocks;
     __m512 total[MR];
     for (int m = 0; m < MR; ++m) total[m] = _mm512_setzero_ps();
@@ -103,13 +143,13 @@ void stream_rows_avx512(const Fp8Problem& p, int64_t n0, int64_t n1) {
       __m512 acc[MR];
       for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
       int64_t k = k0;
-      for (; k + 16 <= k1; k += 16) step_avx512<MR>(row + k, p.x + k, p.Kx, acc);
-      if (k < k1) {                                   // K's tail (x is zero there up to Kx)
+      for (; k + 16 <= k1; k += 16) step_avx512<MR, F>(row + code_bytes<F>(k), p.x + k, p.Kx, acc);
+      if (k < k1) {                                   // K's tail (x is zero there up to Kx; FP4's K: whole blocks)
         std::memset(tail, 0, 16);
-        std::memcpy(tail, row + k, k1 - k);
-        step_avx512<MR>(tail, p.x + k, p.Kx, acc);
+        std::memcpy(tail, row + code_bytes<F>(k), code_bytes<F>(k1 - k));
+        step_avx512<MR, F>(tail, p.x + k, p.Kx, acc);
       }
-      const __m512 s = _mm512_set1_ps(srow[b]), unit = _mm512_set1_ps(256.0f);
+      const __m512 s = _mm512_set1_ps(srow[b]), unit = _mm512_set1_ps(CODE_UNIT<F>);
       for (int m = 0; m < MR; ++m) total[m] = _mm512_fmadd_ps(_mm512_mul_ps(acc[m], unit), s, total[m]);
     }
     for (int m = 0; m < MR; ++m) p.y[m * p.N + n] = _mm512_reduce_add_ps(total[m]) + (p.bias ? p.bias[n] : 0.0f);
@@ -122,13 +162,13 @@ __attribute__((target("avx2,fma,f16c"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-template <int MR>
+template <int MR, Codes F>
 __attribute__((target("avx2,fma,f16c")))
-void stream_rows_avx2(const Fp8Problem& p, int64_t n0, int64_t n1) {
+void stream_rows_avx2(const QuantProblem& p, int64_t n0, int64_t n1) {
   alignas(32) uint8_t tail[16];
   alignas(32) float total[MR][8];
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = p.codes + n * p.K;
+    const uint8_t* row = p.codes + n * code_bytes<F>(p.K);
     const float* srow = p.scale + (n / p.bn) * p.kblocks;
     for (int m = 0; m < MR; ++m) _mm256_store_ps(total[m], _mm256_setzero_ps());
     for (int64_t b = 0; b < p.kblocks; ++b) {
@@ -136,13 +176,13 @@ void stream_rows_avx2(const Fp8Problem& p, int64_t n0, int64_t n1) {
       __m256 acc[MR];
       for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
       int64_t k = k0;
-      for (; k + 16 <= k1; k += 16) step_avx2<MR>(row + k, p.x + k, p.Kx, acc);
+      for (; k + 16 <= k1; k += 16) step_avx2<MR, F>(row + code_bytes<F>(k), p.x + k, p.Kx, acc);
       if (k < k1) {
         std::memset(tail, 0, 16);
-        std::memcpy(tail, row + k, k1 - k);
-        step_avx2<MR>(tail, p.x + k, p.Kx, acc);
+        std::memcpy(tail, row + code_bytes<F>(k), code_bytes<F>(k1 - k));
+        step_avx2<MR, F>(tail, p.x + k, p.Kx, acc);
       }
-      const __m256 s = _mm256_set1_ps(srow[b]), unit = _mm256_set1_ps(256.0f);
+      const __m256 s = _mm256_set1_ps(srow[b]), unit = _mm256_set1_ps(CODE_UNIT<F>);
       for (int m = 0; m < MR; ++m)
         _mm256_store_ps(total[m], _mm256_fmadd_ps(_mm256_mul_ps(acc[m], unit), s, _mm256_load_ps(total[m])));
     }
@@ -151,33 +191,34 @@ void stream_rows_avx2(const Fp8Problem& p, int64_t n0, int64_t n1) {
 }
 #endif
 
-template <int MR>
-void stream_rows(const Fp8Problem& p, int64_t n0, int64_t n1) {
+template <int MR, Codes F>
+void stream_rows(const QuantProblem& p, int64_t n0, int64_t n1) {
 #if DSATTN_X86
-  if (dsattn_native::isa_has(dsattn_native::ISA_AVX512)) return stream_rows_avx512<MR>(p, n0, n1);
-  if (dsattn_native::isa_has(dsattn_native::ISA_AVX2)) return stream_rows_avx2<MR>(p, n0, n1);
+  if (dsattn_native::isa_has(dsattn_native::ISA_AVX512)) return stream_rows_avx512<MR, F>(p, n0, n1);
+  if (dsattn_native::isa_has(dsattn_native::ISA_AVX2)) return stream_rows_avx2<MR, F>(p, n0, n1);
 #endif
-  stream_rows_generic<MR>(p, n0, n1);
+  stream_rows_generic<MR, F>(p, n0, n1);
 }
 
-template <int MR>
-void stream_all(const Fp8Problem& p) {
+template <int MR, Codes F>
+void stream_all(const QuantProblem& p) {
   // grains of 16 rows: a thread's share of a decode call is contiguous weight bytes
   at::parallel_for(0, (p.N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
-    stream_rows<MR>(p, g0 * 16, std::min(p.N, g1 * 16));
+    stream_rows<MR, F>(p, g0 * 16, std::min(p.N, g1 * 16));
   });
 }
 
-void stream(const Fp8Problem& p) {
+template <Codes F>
+void stream(const QuantProblem& p) {
   switch (p.M) {
-    case 1: return stream_all<1>(p);
-    case 2: return stream_all<2>(p);
-    case 3: return stream_all<3>(p);
-    case 4: return stream_all<4>(p);
-    case 5: return stream_all<5>(p);
-    case 6: return stream_all<6>(p);
-    case 7: return stream_all<7>(p);
-    default: return stream_all<8>(p);
+    case 1: return stream_all<1, F>(p);
+    case 2: return stream_all<2, F>(p);
+    case 3: return stream_all<3, F>(p);
+    case 4: return stream_all<4, F>(p);
+    case 5: return stream_all<5, F>(p);
+    case 6: return stream_all<6, F>(p);
+    case 7: return stream_all<7, F>(p);
+    default: return stream_all<8, F>(p);
   }
 }
 
@@ -221,12 +262,32 @@ void decode_block(const uint8_t* codes, int64_t ldc, int64_t rows, int64_t len, 
   }
 }
 
-template <typename scalar_t, typename mm_t>
-void tiled(const Fp8Problem& p, const scalar_t* x) {
+// e2m1 codes [rows, len] (len a multiple of 32) of K chunk [k0, k0 + len) -> value x its group's scale as mm_t:
+// exact (a value has 2 significant bits, a scale is a power of two) but past fp32's range
+template <typename mm_t>
+void decode_block_fp4(const QuantProblem& p, int64_t n0, int64_t rows, int64_t k0, int64_t len, int64_t ld, mm_t* out,
+                      float* wide) {
+  const int64_t groups = p.kblocks;
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* row = p.codes + (n0 + i) * code_bytes<Codes::FP4>(p.K);
+    const float* srow = p.scale + (n0 + i) * groups;
+    for (int64_t k = 0; k < len; ++k)
+      wide[k] = code_value_scaled<Codes::FP4>(row, k0 + k) * (0.5f * srow[(k0 + k) / 32]);
+    mm_t* dst = out + i * ld;
+    for (int64_t k = 0; k < len; ++k) dst[k] = static_cast<mm_t>(wide[k]);
+    for (int64_t k = len; k < ld; ++k) dst[k] = mm_t(0);
+  }
+}
+
+template <typename scalar_t, typename mm_t, Codes F>
+void tiled(const QuantProblem& p, const scalar_t* x) {
   constexpr bool packed = !std::is_same_v<mm_t, float>;
   const int64_t M = p.M, N = p.N, K = p.K;
   const int64_t Kp = packed ? round_up(K, 2) : K, Mp = round_up(M, 16);
-  const int64_t bkp = packed ? round_up(p.bk, 2) : p.bk;
+  // FP8: a chunk is a block (its scale applied to the chunk's product); FP4: 256 columns (8 groups, scales folded)
+  constexpr int64_t FP4_CHUNK = 256;
+  const int64_t chunk = F == Codes::FP8 ? p.bk : FP4_CHUNK, chunks = (K + chunk - 1) / chunk;
+  const int64_t bkp = packed ? round_up(chunk, 2) : chunk;
   const int64_t panel = dsattn_native::wide_panel<mm_t>();
   Buffer<mm_t> xt(Kp * Mp);
   dsattn_native::pack_query(x, M, K, Mp, Kp, xt.data(), panel);   // x^T: the GEMM's B operand, as a query row's q^T
@@ -237,8 +298,21 @@ void tiled(const Fp8Problem& p, const scalar_t* x) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * TILE_N, rows = std::min(TILE_N, N - n0);
       std::fill(sums.begin(), sums.begin() + rows * Mp, 0.0f);
-      for (int64_t b = 0; b < p.kblocks; ++b) {
-        const int64_t k0 = b * p.bk, len = std::min(p.bk, K - k0), kc = packed ? round_up(len, 2) : len;
+      for (int64_t b = 0; b < chunks; ++b) {
+        const int64_t k0 = b * chunk, len = std::min(chunk, K - k0), kc = packed ? round_up(len, 2) : len;
+        if constexpr (F == Codes::FP4) {
+          decode_block_fp4(p, n0, rows, k0, len, bkp, a.data(), wide.data());
+          for (int64_t t0 = 0; t0 < Mp; t0 += panel) {       // scales folded in: the products add into the sums
+            const int64_t w = std::min(panel, Mp - t0);
+            if constexpr (packed)
+              dsattn_native::gemm(rows, w, kc, bkp, w, Mp, b > 0, a.data(), xt.data() + t0 * Kp + k0 * w,
+                                  sums.data() + t0, true);
+            else
+              dsattn_native::gemm(rows, w, kc, bkp, Mp, Mp, b > 0, a.data(), xt.data() + k0 * Mp + t0,
+                                  sums.data() + t0, false);
+          }
+          continue;
+        }
         decode_block(p.codes + n0 * K + k0, K, rows, len, bkp, a.data(), wide.data());
         for (int64_t t0 = 0; t0 < Mp; t0 += panel) {
           const int64_t w = std::min(panel, Mp - t0);
@@ -265,18 +339,23 @@ void tiled(const Fp8Problem& p, const scalar_t* x) {
 
 }  // namespace
 
-// y = x W^T (+ bias) for W given as e4m3fn codes [N, K] (uint8) with fp32 scales per (bn x bk) block; x [M, K]
-// bf16 / fp16 / fp32, y [M, N] in x's dtype.  The Python op (dsattn.weights) has checked every argument.
-at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t bn, int64_t bk,
-                            const c10::optional<at::Tensor>& bias, int64_t stream_rows_max) {
+// y = x W^T (+ bias) for W given as codes of ``format`` ("fp8": e4m3fn [N, K]; "fp4": e2m1 pairs [N, K / 2], K a
+// multiple of 32, bn 1, bk 32) as uint8, with fp32 scales per (bn x bk) block; x [M, K] bf16 / fp16 / fp32, y [M, N]
+// in x's dtype.  The Python ops (dsattn.weights) have checked every argument.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t bn, int64_t bk,
+                        const c10::optional<at::Tensor>& bias, const std::string& format, int64_t stream_rows_max) {
+  TORCH_CHECK(format == "fp8" || format == "fp4", "quant_linear: format fp8 or fp4, got ", format);
+  const bool fp4 = format == "fp4";
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.dim() == 2 && codes.is_contiguous() &&
                   codes.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
-              "fp8_block_linear: x [M, K] contiguous, codes uint8 [N, K] contiguous, scale fp32 contiguous");
+              "quant_linear: x [M, K] contiguous, codes uint8 2-D contiguous, scale fp32 contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.size(1) == K && bn > 0 && bk > 0 && bk % 16 == 0, "fp8_block_linear: shapes");
+  TORCH_CHECK(codes.size(1) == (fp4 ? K / 2 : K) && bn > 0 && bk > 0 && bk % 16 == 0 &&
+                  (!fp4 || (bn == 1 && bk == 32 && K % 32 == 0)),
+              "quant_linear: shapes");
   const int64_t kblocks = (K + bk - 1) / bk;
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == (N + bn - 1) / bn && scale.size(1) == kblocks,
-              "fp8_block_linear: scale shape");
+              "quant_linear: scale shape");
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y.to(x.scalar_type());
   at::Tensor b32;
@@ -286,7 +365,7 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const 
     if (bias.has_value()) y.add_(b32);
     return y.to(x.scalar_type());
   }
-  Fp8Problem p{M, N, K, bn, bk, kblocks, nullptr, 0, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+  QuantProblem p{M, N, K, bn, bk, kblocks, nullptr, 0, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
                bias.has_value() ? b32.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   // streamed up to STREAM_ROWS rows; AMX's tiles overtake it from 5 rows on
   const int64_t best = dsattn_native::gemm_kind(x.scalar_type()) == dsattn_native::KIND_AMX ? 4 : STREAM_ROWS;
@@ -297,11 +376,12 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const 
     at::Tensor xf = at::zeros({M, p.Kx}, x.options().dtype(at::kFloat));
     xf.narrow(1, 0, K).copy_(x);
     p.x = xf.data_ptr<float>();
-    stream(p);
+    fp4 ? stream<Codes::FP4>(p) : stream<Codes::FP8>(p);
   } else {
     dsattn_native::dispatch_gemm(x.scalar_type(), [&](auto s, auto m) {
       using scalar_t = decltype(s);
-      tiled<scalar_t, decltype(m)>(p, reinterpret_cast<const scalar_t*>(x.data_ptr()));
+      const scalar_t* xp = reinterpret_cast<const scalar_t*>(x.data_ptr());
+      fp4 ? tiled<scalar_t, decltype(m), Codes::FP4>(p, xp) : tiled<scalar_t, decltype(m), Codes::FP8>(p, xp);
     });
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
@@ -309,9 +389,9 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& codes, const 
 
 #else  // !DSATTN_HAVE_BRGEMM
 
-at::Tensor fp8_block_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                            const c10::optional<at::Tensor>&, int64_t) {
-  TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled FP8 linear is not available");
+at::Tensor quant_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                        const c10::optional<at::Tensor>&, const std::string&, int64_t) {
+  TORCH_CHECK(false, "this torch has no cpublas::brgemm: the compiled quantised linear is not available");
 }
 
 #endif

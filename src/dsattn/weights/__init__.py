@@ -1,5 +1,7 @@
 """Linear layers over the quantised weights the released checkpoints ship, read in place.
 
+``mxfp4_linear``: MXFP4 weights (e2m1 codes two a byte, one ue8m0 scale per 32: DeepSeek-V4's routed experts).
+
 ``fp8_block_linear``: FP8 e4m3fn weights with one scale per block (DeepSeek-V3.2 / GLM-5's ``weight_scale_inv``,
 fp32; DeepSeek-V4's ue8m0), activations in the model dtype (W8A16).  The golden (:mod:`.ref`) dequantises in
 float64; the compiled CPU path (``native/weights.cpp``) decodes the codes in registers and never keeps a
@@ -8,4 +10,4 @@ dequantised copy; the PyTorch path dequantises a few rows at a time (any device)
 from __future__ import annotations
 
 from . import op  # noqa: F401  (registers the op)
-from .problem import e8m0_to_float, quantize_fp8_blocks  # noqa: F401
+from .problem import e8m0_to_float, quantize_fp8_blocks, quantize_mxfp4  # noqa: F401

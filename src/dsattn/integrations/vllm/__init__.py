@@ -87,8 +87,9 @@ def register() -> None:
                  type(current_platform).__name__)
         _REGISTERED = True
         return
-    from . import dsa, rope, v4, v4_fp32, v4_metadata, v4_ops
+    from . import dsa, fp8_weights, rope, v4, v4_fp32, v4_metadata, v4_ops
     rope.install()
+    fp8_weights.install()               # (FP8 checkpoints where vLLM's CPU kernels need AMX)
     v4_ops.install()                    # (vLLM's V4 ops where its kernel library lacks them)
     v4_ops.install_routing()            # (and its routing where its kernels refuse the model's expert count)
     dsa.install()

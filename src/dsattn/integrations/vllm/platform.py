@@ -70,10 +70,13 @@ class DsattnCpuPlatform(CpuPlatform):
 
     @classmethod
     def import_kernels(cls) -> None:
+        from dsattn.native import isa
         library = kernel_library()
         if library is None:
-            return super().import_kernels()
-        from dsattn.native import isa
+            super().import_kernels()
+            if isa.requested():             # (avx512_bf16: vLLM's own _C, asked about AMX as a Zen 4 would be)
+                _answer_as(isa.requested())
+            return
         _answer_as(isa.requested())
         import importlib
         try:
@@ -96,6 +99,9 @@ class DsattnCpuPlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
+        if serves(vllm_config.model_config, DSA_ARCHS + V4_ARCHS):
+            from . import fp8_weights
+            fp8_weights.check_checkpoint(vllm_config.model_config)
         if serves(vllm_config.model_config, V4_ARCHS):
             return cls._check_v4(vllm_config)
         if not serves(vllm_config.model_config):

@@ -69,6 +69,54 @@ def write_dsa(path, arch: str = "DeepseekV32ForCausalLM", *, seed: int = 0, **ov
     return path
 
 
+# the linears DeepSeek-V3.2 / GLM-5 ship in FP8 (every other tensor, the router and the indexer's weights_proj
+# among them, stays as it is)
+FP8_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk", "gate_proj",
+               "up_proj", "down_proj")
+FP8_BLOCK = (128, 128)
+
+
+def quantize_checkpoint(src, dst, *, block=FP8_BLOCK, ue8m0: bool = False, scale_suffix: str = "weight_scale_inv"):
+    """Rewrite the checkpoint in ``src`` in the shipped FP8 format into ``dst``: each of :data:`FP8_LINEARS`' weights
+    as e4m3fn codes with one scale per ``block`` (``<name>.weight_scale_inv``, fp32; ``ue8m0``: powers of two),
+    ``quantization_config`` as the released config.json says it.  ``src`` is then rewritten with the dequantised
+    weights (float32): the model the FP8 one computes, for the reference side."""
+    import json
+    import shutil
+    import safetensors.torch
+    from dsattn.weights import quantize_fp8_blocks
+    from dsattn.weights.ref import dequantize
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    weights = safetensors.torch.load_file(str(src / "model.safetensors"))
+    quantised, dequantised = {}, {}
+    for name, w in weights.items():
+        if name.endswith(".weight") and name.split(".")[-2] in FP8_LINEARS:
+            codes, scale = quantize_fp8_blocks(w, block, ue8m0=ue8m0)
+            quantised[name], quantised[name[:-len("weight")] + scale_suffix] = codes, scale
+            dequantised[name] = dequantize(codes, scale, *block, dtype=torch.float32)
+        else:
+            quantised[name] = dequantised[name] = w
+    safetensors.torch.save_file(quantised, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    safetensors.torch.save_file(dequantised, str(src / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json") and f.is_file():
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                      weight_block_size=list(block), **({"scale_fmt": "ue8m0"} if ue8m0 else {}))
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
+
+
+def write_dsa_fp8(path, arch: str = "DeepseekV32ForCausalLM", *, seed: int = 0, **overrides) -> tuple[Path, Path]:
+    """A tiny DSA checkpoint in the shipped FP8 format (``path/fp8``) and the same model dequantised to float32
+    (``path/dequantised``).  Experts of 128 (the block: vLLM's FP8 MoE shards whole blocks)."""
+    path = Path(path)
+    ref = write_dsa(path / "dequantised", arch, seed=seed, **dict(dict(moe_intermediate_size=128), **overrides))
+    return quantize_checkpoint(ref, path / "fp8"), ref
+
+
 def v4_config(**overrides) -> dict:
     """A tiny DeepSeek-V4: the real attention widths (head 512 = 448 + rope 64, the 584-byte FP8 cache
     rows, indexer keys of 128), one sliding-window, one CSA (ratio 4) and one HCA (ratio 128) layer, a

@@ -1,0 +1,141 @@
+"""dsattn's FP8 block-scaled linear (``fp8_block_linear``: e4m3 codes read in place, one scale per 128 x 128 block,
+bf16 activations) on DeepSeek-V3.2 and V4-Flash layer shapes, side by side with the same product on a bf16 weight
+(``x @ W.T``: the checkpoint dequantised offline, twice the bytes) and, where vLLM's AMX kernel runs, vLLM's own
+``fp8_scaled_mm_cpu`` -- with the machine's copy bandwidth and GEMM ceilings measured in the same run.
+
+Decode-shaped calls (M 1-8) report the weight bytes read a second against the copy bandwidth (each call reads
+another copy of the layer: the copies together exceed the last-level cache, as a model's layers do); prefill-shaped
+ones (M 256, 1024) report GFLOP/s against the GEMM ceiling of the path's operand type (bf16 where the class
+multiplies bf16, fp32 otherwise).  Peak RSS growth of one decode call shows no dequantised copy is made.
+
+    .venv/bin/python bench/fp8_linear.py [--quick]            # (or .venv-vllm/bin/python: vLLM's kernel too)
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+# (model, layer, N, K)
+SHAPES = [("V3.2", "q_b_proj", 24576, 1536), ("V3.2", "o_proj", 7168, 16384), ("V3.2", "kv_a_proj (N 576)", 576, 7168),
+          ("V3.2", "expert gate+up", 4096, 7168), ("V4-Flash", "wq_b", 32768, 1024),
+          ("V4-Flash", "shared expert down", 4096, 2048)]
+DECODE_M = (1, 2, 4, 8)
+PREFILL_M = (256, 1024)
+STREAM_BYTES = 1 << 30          # the decode calls rotate over this many weight bytes (past any last-level cache)
+
+
+def best_of(fn, n=5):
+    fn()
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def ceilings():
+    from dsattn.native import isa
+    src = torch.empty(STREAM_BYTES, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / best_of(lambda: dst.copy_(src), 3) / 1e9
+    read = src.numel() / best_of(lambda: torch.sum(src.view(torch.int64)), 3) / 1e9
+    del src, dst
+    out = {"copy": copy, "read": read}
+    for dt in ((torch.bfloat16, torch.float32) if isa.bf16_units() else (torch.float32,)):
+        a, b = torch.randn(2048, 2048).to(dt), torch.randn(2048, 2048).to(dt)
+        out[dt] = 2 * 2048 ** 3 / best_of(lambda: a @ b, 10) / 1e9
+    return out
+
+
+def peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return int(next(ln for ln in f if ln.startswith("VmHWM:")).split()[1]) / 1024
+
+
+def vllm_kernel():
+    """vLLM's own W8A16 CPU kernel (``_C.fp8_scaled_mm_cpu`` over AMX-packed weights), or None where absent."""
+    try:
+        import vllm._custom_ops as ops  # noqa: F401  (loads the kernel library)
+    except Exception:
+        return None
+    if not (hasattr(torch.ops, "_C") and hasattr(torch.ops._C, "fp8_scaled_mm_cpu") and torch.cpu._is_amx_tile_supported()):
+        return None
+
+    def run(x, packed, scale):
+        return torch.ops._C.fp8_scaled_mm_cpu(x, packed, scale, [128, 128], None, x.dtype, True)
+    return run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two shapes, M 1 / 8 / 256")
+    args = parser.parse_args()
+    import dsattn
+    from dsattn.native import isa
+    from dsattn.weights import quantize_fp8_blocks  # noqa: F401
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    decode_m, prefill_m = ((1, 8), (256,)) if args.quick else (DECODE_M, PREFILL_M)
+    own = isa.cpu_class()
+    label = "" if isa.cpu_isa() == own else f" (emulated on {own}: which code runs, not its speed there)"
+    c = ceilings()
+    gemm_dt = torch.bfloat16 if torch.bfloat16 in c else torch.float32
+    print(f"python bench/fp8_linear.py{' --quick' if args.quick else ''}  (DSATTN_CPU_ISA={isa.cpu_isa()}{label}, "
+          f"{torch.get_num_threads()} threads)")
+    print(f"copy bandwidth {c['copy']:.1f} GB/s (read + write, {STREAM_BYTES >> 20} MiB), read {c['read']:.1f} GB/s; "
+          f"GEMM ceiling {c[gemm_dt]:.0f} GFLOP/s ({str(gemm_dt).split('.')[-1]} 2048^3)"
+          + (f", fp32 {c[torch.float32]:.0f}" if gemm_dt != torch.float32 else ""))
+    theirs = vllm_kernel()
+    print("\n| model | layer | N x K | M | dsattn FP8 | bf16 weight (x @ W.T) | " + ("vLLM fp8_scaled_mm_cpu | " if theirs else "")
+          + "dsattn / ceiling |")
+    print("|---|---|---|---|---|---|" + ("---|" if theirs else "") + "---|")
+    g = torch.Generator().manual_seed(0)
+    for model, layer, N, K in shapes:
+        copies = max(1, STREAM_BYTES // (N * K))
+        codes = [torch.randint(0, 126, (N, K), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+                 for _ in range(copies)]
+        scale = torch.rand(-(-N // 128), -(-K // 128), generator=g) * 1e-2
+        dense = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        packed = torch.ops._C.convert_weight_packed(codes[0]) if theirs else None
+        for M in decode_m + prefill_m:
+            x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+            decode = M in decode_m
+            state = {"i": 0}
+
+            def ours():
+                state["i"] = (state["i"] + 1) % copies if decode else 0
+                return dsattn.ops.fp8_block_linear(x, codes[state["i"]], scale, [128, 128])
+            t = best_of(ours, 2 * copies if decode else 3)
+            td = best_of(lambda: x @ dense.T, 3)
+            tv = best_of(lambda: theirs(x, packed, scale), 3) if theirs else None
+            if decode:
+                rate = lambda s: f"{N * K / s / 1e9:.1f} GB/s"  # noqa: E731
+                share = f"{100 * N * K / t / 1e9 / c['copy']:.0f} % of copy"
+                bf16 = f"{td * 1e3:.2f} ms ({2 * N * K / td / 1e9:.1f} GB/s, cached)"
+            else:
+                rate = lambda s: f"{2 * M * N * K / s / 1e9:.0f} GFLOP/s"  # noqa: E731
+                share = f"{100 * 2 * M * N * K / t / 1e9 / c[gemm_dt]:.0f} % of GEMM"
+                bf16 = f"{td * 1e3:.2f} ms ({rate(td)})"
+            row = f"| {model} | {layer} | {N} x {K} | {M} | {t * 1e3:.2f} ms ({rate(t)}) | {bf16} | "
+            if theirs:
+                row += f"{tv * 1e3:.2f} ms ({rate(tv)}, cached) | "
+            print(row + share + " |", flush=True)
+        del codes
+    N, K = 24576, 1536
+    w = torch.randint(0, 126, (N, K), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.rand(N // 128, K // 128)
+    x = torch.randn(4, K).to(torch.bfloat16)
+    dsattn.ops.fp8_block_linear(x, w, s, [128, 128])
+    with open("/proc/self/clear_refs", "w") as f:          # (resets the peak RSS to the current RSS)
+        f.write("5")
+    base = peak_rss_mb()
+    dsattn.ops.fp8_block_linear(x, w, s, [128, 128])
+    print(f"\npeak RSS growth of one {N} x {K} decode call: {peak_rss_mb() - base:.1f} MiB (its FP8 weight: "
+          f"{N * K / 2 ** 20:.0f} MiB; a dequantised bf16 copy would be {2 * N * K / 2 ** 20:.0f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

