@@ -62,7 +62,7 @@ V32_WIDTHS = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, moe_i
 V4_LAYERS = 1
 
 # e2m1 (FP4) values by code, as DeepSeek-V4's routed experts and ggml's MXFP4 store them (sign in bit 3)
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from dsattn.weights.problem import E2M1  # noqa: E402,F401
 
 
 # --- the checkpoints and their GGUFs ------------------------------------------------------------------------
@@ -102,25 +102,15 @@ def write_v32(path, **overrides) -> Path:
 
 
 def fp4_quantize(w):
-    """DeepSeek-V4's routed-expert format: ``w [rows, cols]`` as e2m1 codes packed two a byte (element 2i in the
-    low nibble) ``uint8 [rows, cols / 2]`` with one e8m0 scale a 32-column group ``uint8 [rows, cols / 32]``
-    (``2^ceil(log2(amax / 6))``: the group's largest value lands in e2m1's range); and the float values that
-    the two encode (what a float checkpoint of the same model holds)."""
+    """DeepSeek-V4's routed-expert format (``dsattn.weights.quantize_mxfp4``): ``w [rows, cols]`` as e2m1 codes packed
+    two a byte (element 2i in the low nibble) ``uint8 [rows, cols / 2]`` with one e8m0 scale a 32-column group
+    ``uint8 [rows, cols / 32]``; and the float values that the two encode (what a float checkpoint of the same model
+    holds)."""
     import torch
-    rows, cols = w.shape
-    if cols % 32:
-        raise ValueError(f"fp4_quantize: {cols} columns, expected a multiple of 32")
-    g = w.float().reshape(rows, cols // 32, 32)
-    amax = g.abs().amax(-1).clamp(min=2.0 ** -126)
-    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    x = g / torch.exp2(exp)[..., None]
-    grid = torch.tensor(E2M1[:8])
-    code = (x.abs()[..., None] - grid).abs().argmin(-1)                 # nearest magnitude (ties: the smaller)
-    code = code + 8 * (x < 0).long() * (code > 0).long()
-    values = (torch.tensor(E2M1)[code] * torch.exp2(exp)[..., None]).reshape(rows, cols)
-    flat = code.reshape(rows, cols).to(torch.uint8)
-    packed = flat[:, 0::2] | (flat[:, 1::2] << 4)
-    return packed, (exp + 127).to(torch.uint8), values
+    from dsattn.weights import quantize_mxfp4
+    from dsattn.weights.ref import dequantize_mxfp4
+    packed, scales = quantize_mxfp4(w)
+    return packed, scales, dequantize_mxfp4(packed, scales, torch.float32)
 
 
 def write_v4(path, layers: int = V4_LAYERS) -> tuple[Path, Path]:

@@ -78,26 +78,38 @@ def check_checkpoint(model_config) -> None:
 
 
 def check_scale_shapes(model_dir, block) -> None:
-    """Each ``<name>.weight_scale_inv`` / ``.weight_scale`` of the local checkpoint in ``model_dir`` against its
-    weight's shape (the safetensors headers only)."""
+    """Each block-scale tensor of the local checkpoint in ``model_dir`` against its weight's shape (the safetensors
+    headers only): ``<name>.weight_scale_inv`` / ``.weight_scale`` and DeepSeek-V4's ``<name>.scale`` of an FP8 weight
+    one scale per block; ``.scale`` of an MXFP4 weight (e2m1 pairs, uint8) one per 32 values."""
     import glob
     import os
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(str(model_dir), "*.safetensors"))) if os.path.isdir(str(model_dir)) else []
-    shapes = {}
+    shapes, dtypes = {}, {}
     for path in files:
         with safe_open(path, "pt") as f:
             for name in f.keys():
-                shapes[name] = list(f.get_slice(name).get_shape())
+                part = f.get_slice(name)
+                shapes[name], dtypes[name] = list(part.get_shape()), part.get_dtype()
     bn, bk = (int(b) for b in block)
     for name, shape in shapes.items():
-        for suffix in (".weight_scale_inv", ".weight_scale"):
-            weight = shapes.get(name[:-len(suffix)] + ".weight") if name.endswith(suffix) else None
-            if weight is not None and len(weight) >= 2 and len(shape) == len(weight):
-                want = [*weight[:-2], -(-weight[-2] // bn), -(-weight[-1] // bk)]
-                if shape != want:
-                    raise ValueError(f"{name}: shape {shape}; its weight {weight} in blocks of [{bn}, {bk}] needs "
-                                     f"{want} (quantization_config.weight_block_size)")
+        for suffix in (".weight_scale_inv", ".weight_scale", ".scale"):
+            if not name.endswith(suffix):
+                continue
+            weight = name[:-len(suffix)] + ".weight"
+            w = shapes.get(weight)
+            if w is None or len(w) < 2 or len(shape) != len(w):
+                break
+            if dtypes[weight] == "F8_E4M3":
+                want, what = [*w[:-2], -(-w[-2] // bn), -(-w[-1] // bk)], f"in blocks of [{bn}, {bk}]"
+            elif dtypes[weight] in ("U8", "I8") and suffix == ".scale":
+                want, what = [*w[:-1], 2 * w[-1] // 32], "(MXFP4: e2m1 pairs, one scale per 32 values)"
+            else:
+                break
+            if shape != want:
+                raise ValueError(f"{name}: shape {shape}; its weight {w} {what} needs {want} "
+                                 "(quantization_config.weight_block_size)")
+            break
 
 
 def float_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -172,17 +184,20 @@ def _linear_kernel_class():
 
 # ---- MoE experts ----
 
-def _experts_class():
+def _experts_class(fmt: str):
+    """dsattn's routed-experts class for vLLM's fused-MoE interface, ``fmt`` "fp8" (block-scaled e4m3: V3.2, GLM-5,
+    V4-Base) or "mxfp4" (e2m1 pairs with ue8m0 scales per 32: V4-Flash / Pro)."""
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsFp8
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsFp8, CPUExpertsMxfp4
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
     from vllm.platforms import current_platform
+    theirs = CPUExpertsFp8 if fmt == "fp8" else CPUExpertsMxfp4
 
-    class DsattnExpertsFp8(mk.FusedMoEExpertsModular):
-        """FP8 block-scaled routed experts on dsattn's ``fp8_block_linear``: the tokens grouped by expert, each
-        expert's gate / up and down weights read once a call, in place; SiLU-and-mul between them; the top-k
-        weighted sum into ``output``."""
+    class DsattnExperts(mk.FusedMoEExpertsModular):
+        """Routed experts on dsattn's quantised linears: the tokens grouped by expert, each expert's gate / up and
+        down weights read once a call, in place; SiLU-and-mul (DeepSeek-V4's clamp where the config has one) between
+        them; the top-k weighted sum into ``output``."""
 
         @property
         def expects_unquantized_inputs(self) -> bool:
@@ -207,9 +222,9 @@ def _experts_class():
         _supports_no_act_and_mul = staticmethod(lambda: False)
         _supports_activation = staticmethod(lambda activation: activation == MoEActivation.SILU)
         _supports_parallel_config = staticmethod(lambda moe_parallel_config: True)
-        _supports_quant_scheme = CPUExpertsFp8._supports_quant_scheme
-        _supports_routing_method = CPUExpertsFp8._supports_routing_method
-        _supports_router_logits_dtype = CPUExpertsFp8._supports_router_logits_dtype
+        _supports_quant_scheme = theirs._supports_quant_scheme
+        _supports_routing_method = theirs._supports_routing_method
+        _supports_router_logits_dtype = theirs._supports_router_logits_dtype
 
         def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
                              activation):
@@ -221,44 +236,66 @@ def _experts_class():
         def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
                   expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
                   apply_router_weight_on_input):
-            qc = self.quant_config        # (vLLM's CPU FP8 config keeps the block in the weights' group shape)
-            block = list(qc.block_shape) if qc.block_shape else [qc._w1.shape.row, qc._w1.shape.col]
-            experts_fp8(output, hidden_states, w1, w2, float_scale(self.w1_scale), float_scale(self.w2_scale), block,
-                        topk_weights, topk_ids, expert_map, apply_router_weight_on_input)
+            qc = self.quant_config
+            w, s = (w1, w2), (float_scale(self.w1_scale), float_scale(self.w2_scale))
+            if fmt == "fp8":        # (vLLM's CPU FP8 config keeps the block in the weights' group shape)
+                block = list(qc.block_shape) if qc.block_shape else [qc._w1.shape.row, qc._w1.shape.col]
 
-    return DsattnExpertsFp8
+                def linear(e, i, a):
+                    return torch.ops.dsattn.fp8_block_linear(a, w[i][e], s[i][e], block)
+            else:
+                def linear(e, i, a):
+                    return torch.ops.dsattn.mxfp4_linear(a, w[i][e], s[i][e])
+            run_experts(output, hidden_states, linear, w1.shape[0], w1.shape[1] // 2, topk_weights, topk_ids,
+                        expert_map, apply_router_weight_on_input, getattr(qc, "gemm1_clamp_limit", None))
+
+    DsattnExperts.__name__ = DsattnExperts.__qualname__ = "DsattnExpertsFp8" if fmt == "fp8" else "DsattnExpertsMxfp4"
+    return DsattnExperts
 
 
-def experts_fp8(output, x, w13, w2, s13, s2, block, topk_weights, topk_ids, expert_map=None,
-                weights_applied: bool = False) -> None:
-    """``output`` [T, H] = sum over each token's top-k experts e of weight x down_e(silu(gate_e(x)) * up_e(x)),
-    w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I] as FP8 codes with their block scales.  The tokens of
-    an expert go through its linears together (the weight read once); ``expert_map`` maps global expert ids to
-    this rank's (-1: another rank's); ``weights_applied``: the top-k weights are already in ``x`` (top-1)."""
+def run_experts(output, x, linear, n_experts, half, topk_weights, topk_ids, expert_map=None,
+                weights_applied: bool = False, limit: float | None = None) -> None:
+    """``output`` [T, H] = sum over each token's top-k experts e of weight x down_e(silu(gate_e(x)) * up_e(x)), where
+    ``linear(e, 0, x)`` is expert e's gate / up product (gate rows then up rows, ``half`` each) and ``linear(e, 1, a)``
+    its down product.  The tokens of an expert go through its linears together (its weights read once);
+    ``expert_map`` maps global expert ids to this rank's (-1: another rank's); ``weights_applied``: the top-k
+    weights are already in ``x`` (top-1); ``limit``: DeepSeek-V4's SwiGLU clamp (gate <= limit, |up| <= limit)."""
     T, k = topk_ids.shape
     ids = topk_ids.reshape(-1).long()
     if expert_map is not None:
         ids = expert_map[ids].long()
     order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids.clamp_min(0)[ids >= 0], minlength=w13.shape[0]).tolist()   # (CPU tensors)
+    counts = torch.bincount(ids[ids >= 0], minlength=n_experts).tolist()     # (CPU tensors: no device sync)
     start = int((ids < 0).sum())                 # another rank's experts sort first
     weights = topk_weights.reshape(-1).float()
     acc = torch.zeros(T, x.shape[1], dtype=torch.float32)
-    half = w13.shape[1] // 2
     for e, n in enumerate(counts):
         if n == 0:
             continue
         pick = order[start:start + n]
         start += n
         tokens = pick // k
-        h = torch.ops.dsattn.fp8_block_linear(x[tokens], w13[e], s13[e], block)
-        a = torch.nn.functional.silu(h[:, :half]) * h[:, half:]
-        y = torch.ops.dsattn.fp8_block_linear(a, w2[e], s2[e], block).float()
+        h = linear(e, 0, x[tokens])
+        gate, up = h[:, :half], h[:, half:]
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        y = linear(e, 1, torch.nn.functional.silu(gate) * up).float()
         acc.index_add_(0, tokens, y if weights_applied else y * weights[pick, None])
     output.copy_(acc)
 
 
 # ---- installation ----
+
+def _put_first(oracle, backend, cls) -> None:
+    """``cls`` ahead of vLLM's classes for ``backend`` in a MoE oracle's choice (it declines what vLLM's serve)."""
+    original = oracle.backend_to_kernel_cls
+
+    def backend_to_kernel_cls(b):
+        classes = original(b)
+        return [cls] + list(classes) if b == backend else classes
+
+    oracle.backend_to_kernel_cls = backend_to_kernel_cls
+
 
 _state: dict = {}
 
@@ -270,28 +307,24 @@ def install() -> list[str]:
     _state["installed"] = True
     import vllm.model_executor.kernels.linear as linear_kernels
     import vllm.model_executor.layers.fused_moe.oracle.fp8 as moe_oracle
+    import vllm.model_executor.layers.fused_moe.oracle.mxfp4 as mxfp4_oracle
     import vllm.model_executor.layers.quantization.fp8 as fp8_quant
+    import vllm.model_executor.layers.quantization.mxfp4 as mxfp4_quant
     from vllm.platforms import PlatformEnum
 
-    linear_cls, experts_cls = _linear_kernel_class(), _experts_class()
+    linear_cls, experts_cls, mxfp4_cls = _linear_kernel_class(), _experts_class("fp8"), _experts_class("mxfp4")
     cpu = linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS.setdefault(PlatformEnum.CPU, [])
     cpu.insert(0, linear_cls)
+    _put_first(moe_oracle, moe_oracle.Fp8MoeBackend.CPU, experts_cls)
+    _put_first(mxfp4_oracle, mxfp4_oracle.Mxfp4MoeBackend.CPU, mxfp4_cls)
 
-    original_classes = moe_oracle.backend_to_kernel_cls
-
-    def backend_to_kernel_cls(backend):
-        classes = original_classes(backend)
-        return [experts_cls] + classes if backend == moe_oracle.Fp8MoeBackend.CPU else classes
-
-    moe_oracle.backend_to_kernel_cls = backend_to_kernel_cls
-
+    # dsattn's experts read the checkpoint's codes as they load: no repacking, scales widened to fp32 once
+    from vllm.model_executor.utils import replace_parameter
     original_setup = fp8_quant.Fp8MoEMethod._setup_kernel
 
     def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale):
         if self.experts_cls is not experts_cls:
             return original_setup(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale)
-        # dsattn reads the checkpoint's codes as they load: no repacking, scales widened to fp32 once
-        from vllm.model_executor.utils import replace_parameter
         block = list(self.moe_block_shape or getattr(layer, "weight_block_size", None) or [])
         where = getattr(layer, "layer_name", "") or "an FP8 MoE layer"
         check_block(block, f"{where}: weight_block_size")
@@ -302,6 +335,23 @@ def install() -> list[str]:
         self._init_moe_kernel(layer)
 
     fp8_quant.Fp8MoEMethod._setup_kernel = _setup_kernel
+
+    original_mx_setup = mxfp4_quant.Mxfp4MoEMethod._setup_kernel
+
+    def _setup_mxfp4(self, layer, w13, w2, w13_scale, w2_scale, w13_bias=None, w2_bias=None):
+        if self.experts_cls is not mxfp4_cls:
+            return original_mx_setup(self, layer, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias)
+        where = getattr(layer, "layer_name", "") or "an MXFP4 MoE layer"
+        if w13_bias is not None or w2_bias is not None:
+            raise ValueError(f"{where}: expert biases are not served by dsattn's MXFP4 experts (no DeepSeek checkpoint "
+                             "has them)")
+        for name, w, sc in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+            if tuple(sc.shape) != (*w.shape[:-1], 2 * w.shape[-1] // 32):
+                raise ValueError(f"{where}: {name}_weight_scale has shape {list(sc.shape)}; codes {list(w.shape)} (two "
+                                 "a byte) need one scale per 32 values")
+        self._build_moe_kernel(layer)
+
+    mxfp4_quant.Mxfp4MoEMethod._setup_kernel = _setup_mxfp4
 
     original_dtypes = fp8_quant.Fp8Config.get_supported_act_dtypes.__func__
 
@@ -322,4 +372,4 @@ def install() -> list[str]:
         return original_dequantize(x_q, x_s, group_shape=group_shape, out_dtype=torch.float32)
 
     deepseek_v2.scaled_dequantize = scaled_dequantize
-    return [linear_cls.__name__, experts_cls.__name__]
+    return [linear_cls.__name__, experts_cls.__name__, mxfp4_cls.__name__]

@@ -168,6 +168,51 @@ def write_v4(path, *, seed: int = 0, **overrides) -> Path:
     return path
 
 
+# DeepSeek-V4-Flash's shipped format: the attention's projections and the shared experts in FP8 with ue8m0 block
+# scales, the routed experts in MXFP4; the compressors, the indexer's weights_proj, the router, norms, mHC,
+# embeddings and head as they are (what vLLM's V4 model builds without a quant_config)
+V4_FP8_LINEARS = ("attn.wq_a", "attn.wkv", "attn.wq_b", "attn.wo_a", "attn.wo_b", "indexer.wq_b", "shared_experts.w1",
+                  "shared_experts.w2", "shared_experts.w3")
+
+
+def write_v4_shipped(path, *, seed: int = 0, **overrides) -> tuple[Path, Path]:
+    """A tiny DeepSeek-V4 in the shipped format (``path/shipped``: FP8 linears with ue8m0 ``.scale`` tensors, MXFP4
+    routed experts, ``expert_dtype: fp4``) and the same model dequantised to float32 (``path/dequantised``).
+    Experts of 128 (the FP8 block)."""
+    import json
+    import re
+    import shutil
+    import safetensors.torch
+    from dsattn.weights import quantize_fp8_blocks, quantize_mxfp4
+    from dsattn.weights.ref import dequantize, dequantize_mxfp4
+    path = Path(path)
+    ref = write_v4(path / "dequantised", seed=seed, **dict(dict(moe_intermediate_size=128), **overrides))
+    weights = safetensors.torch.load_file(str(ref / "model.safetensors"))
+    shipped, dequantised = {}, {}
+    for name, w in weights.items():
+        stem = name[:-len(".weight")] if name.endswith(".weight") else None
+        if stem and re.search(r"\.ffn\.experts\.\d+\.w[123]$", stem):
+            codes, scale = quantize_mxfp4(w)
+            shipped[name], shipped[stem + ".scale"] = codes, scale.view(torch.float8_e8m0fnu)
+            dequantised[name] = dequantize_mxfp4(codes, scale, torch.float32)
+        elif stem and any(stem.endswith(t) for t in V4_FP8_LINEARS):
+            codes, scale = quantize_fp8_blocks(w, FP8_BLOCK, ue8m0=True)
+            shipped[name], shipped[stem + ".scale"] = codes, scale.to(torch.float8_e8m0fnu)
+            dequantised[name] = dequantize(codes, scale, *FP8_BLOCK, dtype=torch.float32)
+        else:
+            shipped[name] = dequantised[name] = w
+    safetensors.torch.save_file(dequantised, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    out = path / "shipped"
+    shutil.copytree(ref, out, ignore=shutil.ignore_patterns("model.safetensors", "config.json"))
+    safetensors.torch.save_file(shipped, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((ref / "config.json").read_text())
+    cfg.update(expert_dtype="fp4", torch_dtype="bfloat16",
+               quantization_config=dict(quant_method="fp8", fmt="e4m3", scale_fmt="ue8m0", activation_scheme="dynamic",
+                                        weight_block_size=list(FP8_BLOCK)))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out, ref
+
+
 def prompts(lengths=(40, 57, 23, 71), vocab_size: int = 512, seed: int = 1) -> list[list[int]]:
     """Token-id prompts of the given lengths (fresh random words, no special tokens)."""
     g = torch.Generator().manual_seed(seed)
