@@ -2,7 +2,8 @@
 weights, fp32 scales per 128 x 128 block: ``fp8_block_linear`` and dsattn's FP8 experts), the same model dequantised
 to bf16 (what a user without FP8 kernels converts it to offline) and to float32.  Each run in a fresh process (vLLM
 in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the same prompts, greedy: prefill seconds, decode tokens/s (all
-requests) and the weight bytes a decode step streams.
+requests) and the weight bytes a decode step streams.  (Random weights: the greedy tokens of the three formats are
+near ties from the first steps on, so they are not compared here; the tests compare the formats' outputs.)
 
 The model: 4 layers at hidden 2048 (16 heads, the real latent 512 + 64 and indexer 32 x 128), 32 routed experts of
 512 (top 8) and a shared one: ~0.45 B parameters, random weights written here (nothing is downloaded).
@@ -43,8 +44,8 @@ def worker(spec: dict) -> dict:
     out = llm.generate(prompts, many, use_tqdm=False)
     total = time.perf_counter() - t
     decode = max(total - prefill, 1e-9)
-    return dict(prefill_s=prefill, decode_tok_s=len(prompts) * spec["tokens"] / decode,
-                tokens=[list(o.outputs[0].token_ids) for o in out])
+    assert all(len(o.outputs[0].token_ids) == 1 + spec["tokens"] for o in out)
+    return dict(prefill_s=prefill, decode_tok_s=len(prompts) * spec["tokens"] / decode)
 
 
 def run(model: Path, dtype: str, prompts, tokens: int, env: dict) -> dict:
@@ -100,8 +101,8 @@ def main() -> int:
               f"float32 {sizes['float32']['total_gb']:.2f} GB (a decode token streams at most "
               f"{sizes['fp8']['per_token_gb']:.2f} / {sizes['bfloat16']['per_token_gb']:.2f} / "
               f"{sizes['float32']['per_token_gb']:.2f} GB)\n")
-        print("| batch | format | prefill s | decode tokens/s | vs FP8 | tokens equal FP8's |")
-        print("|---|---|---|---|---|---|")
+        print("| batch | format | prefill s | decode tokens/s | vs FP8 |")
+        print("|---|---|---|---|---|")
         for batch in (int(b) for b in args.batch.split(",")):
             prompts = tiny.prompts([PROMPT_LEN - 16 * i for i in range(batch)], WIDTHS["vocab_size"], seed=5)
             rows = {}
@@ -110,13 +111,11 @@ def main() -> int:
                                        ("float32 (dequantised)", dequantised, "float32")):
                 rows[name] = r = run(model, dtype, prompts, args.tokens, env)
                 if "error" in r:
-                    print(f"| {batch} | {name} | failed: {r['error']} | | | |", flush=True)
+                    print(f"| {batch} | {name} | failed: {r['error']} | | |", flush=True)
                     continue
                 base = next(iter(rows.values()))
                 ratio = r["decode_tok_s"] / base["decode_tok_s"] if "error" not in base else float("nan")
-                same = sum(a == b for x, y in zip(r["tokens"], base.get("tokens", [])) for a, b in zip(x, y))
-                print(f"| {batch} | {name} | {r['prefill_s']:.2f} | {r['decode_tok_s']:.2f} | {ratio:.2f}x | "
-                      f"{same} / {batch * (1 + args.tokens)} |", flush=True)
+                print(f"| {batch} | {name} | {r['prefill_s']:.2f} | {r['decode_tok_s']:.2f} | {ratio:.2f}x |", flush=True)
     return 0
 
 
