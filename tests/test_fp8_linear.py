@@ -63,8 +63,9 @@ def test_leading_dims_and_the_op(path):
     assert dispatch.choose(parse_fp8_linear(x, codes, scale, [128, 128])).name == "compiled"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])     # (bf16: the vdpbf16ps route where it runs)
 @pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
-def test_zero_blocks_nan_codes_and_extreme_scales(path):
+def test_zero_blocks_nan_codes_and_extreme_scales(path, dtype):
     gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
     N, K, block = 260, 384, (128, 128)
     codes = _random_codes(N, K, gen)
@@ -78,7 +79,7 @@ def test_zero_blocks_nan_codes_and_extreme_scales(path):
     e8[1, 0], e8[0, 2] = 254, 0
     scale = e8m0_to_float(e8)
     assert scale[1, 0] == 2.0 ** 127 and scale[0, 2] == 2.0 ** -127
-    x = torch.randn(4, K, generator=gen) * 1e-3
+    x = (torch.randn(4, K, generator=gen) * 1e-3).to(dtype)
     y = _run(path, x, codes, scale, block)
     _check(y, x, codes, scale, block)
     assert torch.isnan(y[:, 200]).all() and torch.isnan(y[:, 5]).all()

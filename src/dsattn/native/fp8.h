@@ -98,15 +98,24 @@ inline const Fp8Bf16Tables& fp8_bf16_tables() {
 
 #if DSATTN_X86
 // (the tables are read as memory operands: a caller with its registers taken, a GEMM tile, keeps them)
-__attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) inline void fp8x64_bf16_vbmi(
-    const uint8_t* x, uint16_t* out, const Fp8Bf16Tables& t) {
+// (the 64 values in two registers, codes 0-31 and 32-63, in order)
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) inline void fp8x64_bf16_vbmi_regs(
+    const uint8_t* x, const Fp8Bf16Tables& t, __m512i& first, __m512i& second) {
   // (vpermi2b reads an index's low 7 bits only: the sign bit of a code needs no masking off)
   const __m512i b = _mm512_loadu_si512(x);
   const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t.lo), b, _mm512_load_si512(t.lo + 64));
   const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(_mm512_load_si512(t.hi), b, _mm512_load_si512(t.hi + 64)),
                                      _mm512_and_si512(b, _mm512_set1_epi8(static_cast<char>(0x80))));
-  _mm512_storeu_si512(out, _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.order[0]), hi));
-  _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.order[1]), hi));
+  first = _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.order[0]), hi);
+  second = _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.order[1]), hi);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) inline void fp8x64_bf16_vbmi(
+    const uint8_t* x, uint16_t* out, const Fp8Bf16Tables& t) {
+  __m512i first, second;
+  fp8x64_bf16_vbmi_regs(x, t, first, second);
+  _mm512_storeu_si512(out, first);
+  _mm512_storeu_si512(out + 32, second);
 }
 #endif
 

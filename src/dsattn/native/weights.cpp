@@ -9,9 +9,10 @@
 // in fp32: the codes' values are exact in fp32 (and bf16), the products of a block are summed first and scaled
 // once, as a dequantised weight's product would be up to summation order (the tiled MXFP4 path folds the power-of-
 // two scale into the decoded values instead: exact too, but for values past fp32's range).  Two paths:
-//   streamed (M <= STREAM_ROWS, decode): each weight row is read once, its codes widened in registers (fp8.h's
-//            fp16 route, 6 instructions per 16 codes) and multiplied into every row of x (widened to fp32 once);
-//            the threads split N.  Bound by the weight bytes a second.
+//   streamed (M <= STREAM_ROWS, decode): each weight row is read once, its codes widened in registers and
+//            multiplied into every row of x: bf16 x on AVX512-BF16 + VBMI CPUs by table to bf16 and vdpbf16ps, else
+//            through fp16 to fp32 (fp8.h, 6 instructions per 16 codes) against x widened to fp32 once; the threads
+//            split N.  Bound by the weight bytes a second at one row of x.
 //   tiled    (prefill): 32 rows of codes x one K block at a time decoded to the GEMM's operand type (exact) in a
 //            thread's scratch, multiplied by x^T (packed once a call) on the kernels' GEMM (gemm.h: AMX,
 //            vdpbf16ps, or dsattn's fp32), each block's product scaled into the rows' sums.
@@ -52,6 +53,7 @@ struct QuantProblem {
   const float* scale;    // [ceil(N / bn), kblocks]
   const float* bias;     // [N] or null
   float* y;              // [M, N] fp32
+  const uint16_t* xb = nullptr;   // or x as [M, Kx] bf16 (the vdpbf16ps streamed path; zero past K)
 };
 
 // ---- streamed ----
@@ -204,9 +206,55 @@ void stream_rows_avx2(const QuantProblem& p, int64_t n0, int64_t n1) {
 }
 #endif
 
+#if DSATTN_X86
+// bf16 x on AVX512-BF16 CPUs with VBMI (Zen 4 / 5, Sapphire Rapids on): 64 codes at a time to bf16 by table (fp8.h,
+// 9 instructions) and into every row of x by vdpbf16ps, 32 products an instruction.  The fp32 route spends 9
+// instructions per 16 codes and one FMA per 16 products: at 8 rows of x it was bound by its FMA ports
+// (4-6 GB/s of weights on the AMX Xeon).  The codes' values are exact in bf16 and their products with bf16 x exact
+// in fp32: only the summation order differs from the fp32 route.
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,fma")))
+void stream_rows_dpbf16(const QuantProblem& p, int64_t n0, int64_t n1) {
+  const dsattn_native::Fp8Bf16Tables& tables = dsattn_native::fp8_bf16_tables();
+  alignas(64) uint8_t tail[64];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.codes + n * p.K;
+    const float* srow = p.scale + (n / p.bn) * p.kblocks;
+    __m512 total[MR];
+    for (int m = 0; m < MR; ++m) total[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < p.kblocks; ++b) {
+      const int64_t k0 = b * p.bk, k1 = std::min(p.K, k0 + p.bk);
+      __m512 acc[MR];
+      for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 64) {
+        const uint8_t* codes = row + k;
+        if (k + 64 > k1) {                          // K's tail (x is zero there up to Kx)
+          std::memset(tail, 0, 64);
+          std::memcpy(tail, row + k, k1 - k);
+          codes = tail;
+        }
+        _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_ROWS * p.K + k), _MM_HINT_T0);
+        __m512i w0, w1;
+        dsattn_native::fp8x64_bf16_vbmi_regs(codes, tables, w0, w1);
+        for (int m = 0; m < MR; ++m) {
+          const uint16_t* xr = p.xb + m * p.Kx + k;
+          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)w0, (__m512bh)_mm512_loadu_si512(xr));
+          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)w1, (__m512bh)_mm512_loadu_si512(xr + 32));
+        }
+      }
+      const __m512 s = _mm512_set1_ps(srow[b]);
+      for (int m = 0; m < MR; ++m) total[m] = _mm512_fmadd_ps(acc[m], s, total[m]);
+    }
+    for (int m = 0; m < MR; ++m) p.y[m * p.N + n] = _mm512_reduce_add_ps(total[m]) + (p.bias ? p.bias[n] : 0.0f);
+  }
+}
+#endif
+
 template <int MR, Codes F>
 void stream_rows(const QuantProblem& p, int64_t n0, int64_t n1) {
 #if DSATTN_X86
+  if constexpr (F == Codes::FP8)
+    if (p.xb) return stream_rows_dpbf16<MR>(p, n0, n1);
   if (dsattn_native::isa_has(dsattn_native::ISA_AVX512)) return stream_rows_avx512<MR, F>(p, n0, n1);
   if (dsattn_native::isa_has(dsattn_native::ISA_AVX2)) return stream_rows_avx2<MR, F>(p, n0, n1);
 #endif
@@ -380,15 +428,21 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   }
   QuantProblem p{M, N, K, bn, bk, kblocks, nullptr, 0, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
                bias.has_value() ? b32.data_ptr<float>() : nullptr, y.data_ptr<float>()};
-  // streamed up to STREAM_ROWS rows; AMX's tiles overtake it from 5 rows on
-  const int64_t best = dsattn_native::gemm_kind(x.scalar_type()) == dsattn_native::KIND_AMX ? 4 : STREAM_ROWS;
-  const int64_t limit = std::min<int64_t>(stream_rows_max < 0 ? best : stream_rows_max, STREAM_ROWS);
+  // streamed up to STREAM_ROWS rows (measured on the AMX Xeon, bf16 x, weights past the cache: streamed 8-10 GB/s at
+  // 8 rows, tiled 5-6 with AMX, 3 with vdpbf16ps)
+  const int64_t limit = std::min<int64_t>(stream_rows_max < 0 ? STREAM_ROWS : stream_rows_max, STREAM_ROWS);
   if (M <= limit) {
-    // x widened to fp32, rows padded with zeros to a multiple of 16 (the last block's tail)
-    p.Kx = round_up(K, 16);
-    at::Tensor xf = at::zeros({M, p.Kx}, x.options().dtype(at::kFloat));
+    // bf16 x: vdpbf16ps where the CPU has it (FP8 blocks of whole 64-code runs); otherwise x widened to fp32.  Rows
+    // padded with zeros to a multiple of 64 / 16 (the last block's tail)
+    const bool dpbf16 = !fp4 && x.scalar_type() == at::kBFloat16 && bk % 64 == 0 &&
+                        dsattn_native::isa_has(dsattn_native::ISA_AVX512_BF16) && dsattn_native::isa_has_avx512vbmi();
+    p.Kx = round_up(K, dpbf16 ? 64 : 16);
+    at::Tensor xf = at::zeros({M, p.Kx}, x.options().dtype(dpbf16 ? at::kBFloat16 : at::kFloat));
     xf.narrow(1, 0, K).copy_(x);
-    p.x = xf.data_ptr<float>();
+    if (dpbf16)
+      p.xb = reinterpret_cast<const uint16_t*>(xf.data_ptr());
+    else
+      p.x = xf.data_ptr<float>();
     fp4 ? stream<Codes::FP4>(p) : stream<Codes::FP8>(p);
   } else {
     dsattn_native::dispatch_gemm(x.scalar_type(), [&](auto s, auto m) {
