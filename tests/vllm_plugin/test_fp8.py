@@ -52,8 +52,6 @@ def test_the_checkpoint_is_the_shipped_format(checkpoints):
 def test_float32_matches_the_dequantised_model(cls, checkpoints, reference):
     """fp32: the same greedy tokens as transformers on the dequantised weights, log-probs within 1e-3."""
     env = _as_class(cls)
-    if cls != "avx512_bf16" and "Glm" in checkpoints[2]:
-        pytest.skip("GLM-5 runs on the _C library; the other libraries serve its layers as V3.2's (CI time)")
     got = run_llm(checkpoints[0], PROMPTS, env=env)
     matched, total = compare(got, reference, tol=1e-3, min_match=1.0)
     assert matched == total
@@ -62,20 +60,19 @@ def test_float32_matches_the_dequantised_model(cls, checkpoints, reference):
 def test_bfloat16_on_a_cpu_without_amx(checkpoints):
     """bf16 where vLLM has no FP8 kernel (a Zen 4's class), by the V4 bf16 tests' rule: the prefill teacher-forced
     against transformers' float32 model on the dequantised weights, each prompt's mean |log-prob difference| within
-    0.15 and none past 1.5 -- or within 1.25 x what vLLM's bf16 run of the dequantised checkpoint itself gives (this
-    tiny model's bf16 noise: measured on GLM-5, one prompt at mean 0.18, max 2.5 with either checkpoint) -- and each
-    first generated token in transformers' top-5.  Generations are not compared further: in bf16 this model's greedy
-    tokens part at chaotic points (vLLM on the unquantised checkpoint against transformers in bf16: steps 0-7)."""
+    0.15 and none past 1.5, and each first generated token in transformers' top-5.  Generations are not compared
+    further: in bf16 this model's greedy tokens part at chaotic points (vLLM on the unquantised checkpoint against
+    transformers in bf16: steps 0-7).  V3.2 only: GLM-5's layers run on the same kernels (float32 above covers them),
+    and this tiny GLM-5 is noisier in bf16 than the bound with either checkpoint (measured: one prompt at mean 0.18,
+    max 2.5, the unquantised checkpoint 0.18 / 2.5 too)."""
     if "Glm" in checkpoints[2]:
-        pytest.skip("GLM-5's layers run on the same kernels as V3.2's (float32 above covers it; CI time)")
+        pytest.skip("V3.2 only (see the docstring)")
     env = _as_class("avx512_bf16")
-    run = dict(engine=dict(dtype="bfloat16"), env=env, prompt_logprobs=True, max_tokens=1)
-    got, unquantised = run_llm(checkpoints[0], PROMPTS, **run), run_llm(checkpoints[1], PROMPTS, **run)
-    for i, (g, u, w) in enumerate(zip(got, unquantised, hf_prompt_logprobs(checkpoints[1], PROMPTS))):
-        diff, noise = ((torch.tensor(r["prompt_logprobs"]) - torch.tensor(w["prompt_logprobs"])).abs() for r in (g, u))
+    got = run_llm(checkpoints[0], PROMPTS, engine=dict(dtype="bfloat16"), env=env, prompt_logprobs=True, max_tokens=1)
+    for i, (g, w) in enumerate(zip(got, hf_prompt_logprobs(checkpoints[1], PROMPTS))):
+        diff = (torch.tensor(g["prompt_logprobs"]) - torch.tensor(w["prompt_logprobs"])).abs()
         assert len(diff) == len(PROMPTS[i]) - 1 and not diff.isnan().any()
-        assert diff.mean() <= max(0.15, 1.25 * noise.mean()), (i, float(diff.mean()), float(noise.mean()))
-        assert diff.max() <= max(1.5, 1.25 * noise.max()), (i, float(diff.max()), float(noise.max()))
+        assert diff.mean() <= 0.15 and diff.max() <= 1.5, (i, float(diff.mean()), float(diff.max()))
         assert g["tokens"][0] in w["top5"], (i, g["tokens"][0], w["top5"])
 
 
