@@ -356,8 +356,11 @@ def install() -> list[str]:
     original_dtypes = fp8_quant.Fp8Config.get_supported_act_dtypes.__func__
 
     def get_supported_act_dtypes(cls):
+        # (DeepSeek-V4's FP8 config, a subclass, keeps vLLM's bf16 / fp16: its CPU model's FP8 wo_a packing is bf16)
         dtypes = list(original_dtypes(cls))
-        return dtypes + [torch.float32] if kernels() != "vllm" and torch.float32 not in dtypes else dtypes
+        if cls is fp8_quant.Fp8Config and kernels() != "vllm" and torch.float32 not in dtypes:
+            dtypes.append(torch.float32)
+        return dtypes
 
     fp8_quant.Fp8Config.get_supported_act_dtypes = classmethod(get_supported_act_dtypes)
 
