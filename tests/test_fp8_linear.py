@@ -175,6 +175,28 @@ def test_mxfp4_extreme_scales_and_the_op(path):
     assert torch.isnan(y[:, 20]).all() and torch.isfinite(y[:, :20]).all() and y[:, :10].abs().max() > 1e30
     # the op, with the scales as float8_e8m0fnu
     _check_fp4(dsattn.ops.mxfp4_linear(x, codes, scale.view(torch.float8_e8m0fnu)), x, codes, scale)
+    # ue8m0 bytes are read as they are: the same bits as their fp32 widening
+    assert _same_bits(y, _run_fp4(path, x, codes, e8m0_to_float(scale)))
+
+
+def _same_bits(a, b) -> bool:
+    """Bitwise equal (NaN where the other has NaN, its payload aside)."""
+    a, b = a.float(), b.float()
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(0.0).view(torch.int32),
+                                                                       b.nan_to_num(0.0).view(torch.int32))
+
+
+@pytest.mark.parametrize("path", ["streamed", "tiled"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_ue8m0_scales_read_as_fp32_would_be(path, dtype):
+    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+    N, K = 200, 320
+    codes = (torch.randn(N, K, generator=gen) * 50).to(torch.float8_e4m3fn)
+    e8 = torch.randint(110, 140, (2, 3), dtype=torch.uint8, generator=gen)
+    x = torch.randn(5, K, generator=gen).to(dtype)
+    y = _run(path, x, codes, e8.view(torch.float8_e8m0fnu), (128, 128))
+    assert _same_bits(y, _run(path, x, codes, e8m0_to_float(e8), (128, 128)))
+    _check(y, x, codes, e8m0_to_float(e8), (128, 128))
 
 
 def test_mxfp4_round_trip_and_bad_input():

@@ -1,9 +1,11 @@
 // Linear layers over block-scaled quantised weights, read in place (W8A16 / W4A16): y [M, N] = x [M, K] W^T (+ bias),
 // W held as its codes, never dequantised into memory, in one of two formats:
-//   FP8    e4m3fn codes [N, K] (a byte a weight) with one fp32 scale per block of bn rows x bk columns (scale
-//          [ceil(N / bn), ceil(K / bk)]: DeepSeek-V3.2 / GLM-5's weight_scale_inv, DeepSeek-V4's ue8m0 widened);
+//   FP8    e4m3fn codes [N, K] (a byte a weight) with one scale per block of bn rows x bk columns (scale
+//          [ceil(N / bn), ceil(K / bk)]: DeepSeek-V3.2 / GLM-5's fp32 weight_scale_inv, DeepSeek-V4's ue8m0);
 //   MXFP4  e2m1 codes two a byte [N, K / 2] (element 2i in the low nibble) with one scale per row and 32 columns
-//          (bn 1, bk 32: DeepSeek-V4's routed experts, their ue8m0 scales widened).
+//          (bn 1, bk 32: DeepSeek-V4's routed experts, ue8m0).
+// Scales are fp32 or ue8m0 bytes read as they are (an expert's MXFP4 scales are an eighth of its codes' bytes:
+// widened to fp32 they would be half).
 //
 // Every element is  y[m, n] = sum over K blocks b of  scale[n / bn, b] * (sum over k in b of code[n, k] x[m, k])
 // in fp32: the codes' values are exact in fp32 (and bf16), the products of a block are summed first and scaled
@@ -50,10 +52,20 @@ struct QuantProblem {
   const float* x;        // [M, Kx] fp32 (the streamed path: widened, zero past K up to Kx)
   int64_t Kx;
   const uint8_t* codes;  // [N, code_bytes(K)]
-  const float* scale;    // [ceil(N / bn), kblocks]
+  const float* scale;    // [ceil(N / bn), kblocks] fp32, or null and:
+  const uint8_t* scale_e8m0;      // the same as ue8m0 exponents (a checkpoint's own bytes: no widened copy)
   const float* bias;     // [N] or null
   float* y;              // [M, N] fp32
   const uint16_t* xb = nullptr;   // or x as [M, Kx] bf16 (the vdpbf16ps streamed path; zero past K)
+
+  // the scale of block i (row-major over [ceil(N / bn), kblocks]): ue8m0 e is 2^(e - 127), e 0 the fp32 subnormal
+  // 2^-127, e 255 NaN
+  float block_scale(int64_t i) const {
+    if (!scale_e8m0) return scale[i];
+    const uint32_t e = scale_e8m0[i];
+    const uint32_t bits = e == 255 ? 0x7FC00000u : e == 0 ? 0x00400000u : e << 23;
+    return __builtin_bit_cast(float, bits);
+  }
 };
 
 // ---- streamed ----
@@ -84,7 +96,7 @@ inline void stream_rows_generic(const QuantProblem& p, int64_t n0, int64_t n1) {
   }();
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.codes + n * code_bytes<F>(p.K);
-    const float* srow = p.scale + (n / p.bn) * p.kblocks;
+    const int64_t srow = (n / p.bn) * p.kblocks;
     float total[MR] = {};
     for (int64_t b = 0; b < p.kblocks; ++b) {
       const int64_t k0 = b * p.bk, k1 = std::min(p.K, k0 + p.bk);
@@ -93,7 +105,7 @@ inline void stream_rows_generic(const QuantProblem& p, int64_t n0, int64_t n1) {
         const float w = F == Codes::FP8 ? lut[row[k]] : code_value_scaled<F>(row, k);
         for (int m = 0; m < MR; ++m) acc[m] += w * p.x[m * p.Kx + k];
       }
-      for (int m = 0; m < MR; ++m) total[m] += (acc[m] * CODE_UNIT<F>) * srow[b];
+      for (int m = 0; m < MR; ++m) total[m] += (acc[m] * CODE_UNIT<F>) * p.block_scale(srow + b);
     }
     for (int m = 0; m < MR; ++m) p.y[m * p.N + n] = total[m] + (p.bias ? p.bias[n] : 0.0f);
   }
@@ -138,7 +150,7 @@ void stream_rows_avx512(const QuantProblem& p, int64_t n0, int64_t n1) {
   alignas(64) uint8_t tail[16];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.codes + n * code_bytes<F>(p.K);
-    const float* srow = p.scale + (n / p.bn) * p.kblocks;
+    const int64_t srow = (n / p.bn) * p.kblocks;
     __m512 total[MR];
     for (int m = 0; m < MR; ++m) total[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < p.kblocks; ++b) {
@@ -159,7 +171,7 @@ void stream_rows_avx512(const QuantProblem& p, int64_t n0, int64_t n1) {
         std::memcpy(tail, row + code_bytes<F>(k), code_bytes<F>(k1 - k));
         step_avx512<MR, F>(tail, p.x + k, p.Kx, acc);
       }
-      const __m512 s = _mm512_set1_ps(srow[b]), unit = _mm512_set1_ps(CODE_UNIT<F>);
+      const __m512 s = _mm512_set1_ps(p.block_scale(srow + b)), unit = _mm512_set1_ps(CODE_UNIT<F>);
       for (int m = 0; m < MR; ++m) total[m] = _mm512_fmadd_ps(_mm512_mul_ps(acc[m], unit), s, total[m]);
     }
     for (int m = 0; m < MR; ++m) p.y[m * p.N + n] = _mm512_reduce_add_ps(total[m]) + (p.bias ? p.bias[n] : 0.0f);
@@ -179,7 +191,7 @@ void stream_rows_avx2(const QuantProblem& p, int64_t n0, int64_t n1) {
   alignas(32) float total[MR][8];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.codes + n * code_bytes<F>(p.K);
-    const float* srow = p.scale + (n / p.bn) * p.kblocks;
+    const int64_t srow = (n / p.bn) * p.kblocks;
     for (int m = 0; m < MR; ++m) _mm256_store_ps(total[m], _mm256_setzero_ps());
     for (int64_t b = 0; b < p.kblocks; ++b) {
       const int64_t k0 = b * p.bk, k1 = std::min(p.K, k0 + p.bk);
@@ -197,7 +209,7 @@ void stream_rows_avx2(const QuantProblem& p, int64_t n0, int64_t n1) {
         std::memcpy(tail, row + code_bytes<F>(k), code_bytes<F>(k1 - k));
         step_avx2<MR, F>(tail, p.x + k, p.Kx, acc);
       }
-      const __m256 s = _mm256_set1_ps(srow[b]), unit = _mm256_set1_ps(CODE_UNIT<F>);
+      const __m256 s = _mm256_set1_ps(p.block_scale(srow + b)), unit = _mm256_set1_ps(CODE_UNIT<F>);
       for (int m = 0; m < MR; ++m)
         _mm256_store_ps(total[m], _mm256_fmadd_ps(_mm256_mul_ps(acc[m], unit), s, _mm256_load_ps(total[m])));
     }
@@ -219,7 +231,7 @@ void stream_rows_dpbf16(const QuantProblem& p, int64_t n0, int64_t n1) {
   alignas(64) uint8_t tail[64];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.codes + n * p.K;
-    const float* srow = p.scale + (n / p.bn) * p.kblocks;
+    const int64_t srow = (n / p.bn) * p.kblocks;
     __m512 total[MR];
     for (int m = 0; m < MR; ++m) total[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < p.kblocks; ++b) {
@@ -242,7 +254,7 @@ void stream_rows_dpbf16(const QuantProblem& p, int64_t n0, int64_t n1) {
           acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)w1, (__m512bh)_mm512_loadu_si512(xr + 32));
         }
       }
-      const __m512 s = _mm512_set1_ps(srow[b]);
+      const __m512 s = _mm512_set1_ps(p.block_scale(srow + b));
       for (int m = 0; m < MR; ++m) total[m] = _mm512_fmadd_ps(acc[m], s, total[m]);
     }
     for (int m = 0; m < MR; ++m) p.y[m * p.N + n] = _mm512_reduce_add_ps(total[m]) + (p.bias ? p.bias[n] : 0.0f);
@@ -331,9 +343,11 @@ void decode_block_fp4(const QuantProblem& p, int64_t n0, int64_t rows, int64_t k
   const int64_t groups = p.kblocks;
   for (int64_t i = 0; i < rows; ++i) {
     const uint8_t* row = p.codes + (n0 + i) * code_bytes<Codes::FP4>(p.K);
-    const float* srow = p.scale + (n0 + i) * groups;
-    for (int64_t k = 0; k < len; ++k)
-      wide[k] = code_value_scaled<Codes::FP4>(row, k0 + k) * (0.5f * srow[(k0 + k) / 32]);
+    const int64_t srow = (n0 + i) * groups;
+    for (int64_t k = 0; k < len; k += 32) {
+      const float s = 0.5f * p.block_scale(srow + (k0 + k) / 32);
+      for (int64_t j = k; j < k + 32; ++j) wide[j] = code_value_scaled<Codes::FP4>(row, k0 + j) * s;
+    }
     mm_t* dst = out + i * ld;
     for (int64_t k = 0; k < len; ++k) dst[k] = static_cast<mm_t>(wide[k]);
     for (int64_t k = len; k < ld; ++k) dst[k] = mm_t(0);
@@ -382,7 +396,7 @@ void tiled(const QuantProblem& p, const scalar_t* x) {
           else
             dsattn_native::gemm(rows, w, kc, bkp, Mp, w, false, a.data(), xt.data() + k0 * Mp + t0, prod.data(), false);
           for (int64_t i = 0; i < rows; ++i) {
-            const float s = p.scale[((n0 + i) / p.bn) * p.kblocks + b];
+            const float s = p.block_scale(((n0 + i) / p.bn) * p.kblocks + b);
             float* si = sums.data() + i * Mp + t0;
             const float* pi = prod.data() + i * w;
             for (int64_t t = 0; t < w; ++t) si[t] += pi[t] * s;
@@ -401,15 +415,16 @@ void tiled(const QuantProblem& p, const scalar_t* x) {
 }  // namespace
 
 // y = x W^T (+ bias) for W given as codes of ``format`` ("fp8": e4m3fn [N, K]; "fp4": e2m1 pairs [N, K / 2], K a
-// multiple of 32, bn 1, bk 32) as uint8, with fp32 scales per (bn x bk) block; x [M, K] bf16 / fp16 / fp32, y [M, N]
+// multiple of 32, bn 1, bk 32) as uint8, with fp32 or ue8m0 (uint8) scales per (bn x bk) block; x [M, K] bf16 / fp16 / fp32, y [M, N]
 // in x's dtype.  The Python ops (dsattn.weights) have checked every argument.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t bn, int64_t bk,
                         const c10::optional<at::Tensor>& bias, const std::string& format, int64_t stream_rows_max) {
   TORCH_CHECK(format == "fp8" || format == "fp4", "quant_linear: format fp8 or fp4, got ", format);
   const bool fp4 = format == "fp4";
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.dim() == 2 && codes.is_contiguous() &&
-                  codes.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
-              "quant_linear: x [M, K] contiguous, codes uint8 2-D contiguous, scale fp32 contiguous");
+                  codes.scalar_type() == at::kByte &&
+                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kByte) && scale.is_contiguous(),
+              "quant_linear: x [M, K] contiguous, codes uint8 2-D contiguous, scale fp32 or ue8m0 (uint8) contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.size(1) == (fp4 ? K / 2 : K) && bn > 0 && bk > 0 && bk % 16 == 0 &&
                   (!fp4 || (bn == 1 && bk == 32 && K % 32 == 0)),
@@ -426,7 +441,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     if (bias.has_value()) y.add_(b32);
     return y.to(x.scalar_type());
   }
-  QuantProblem p{M, N, K, bn, bk, kblocks, nullptr, 0, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+  const bool e8m0 = scale.scalar_type() == at::kByte;
+  QuantProblem p{M, N, K, bn, bk, kblocks, nullptr, 0, codes.data_ptr<uint8_t>(),
+               e8m0 ? nullptr : scale.data_ptr<float>(), e8m0 ? scale.data_ptr<uint8_t>() : nullptr,
                bias.has_value() ? b32.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   // streamed up to STREAM_ROWS rows (measured on the AMX Xeon, bf16 x, weights past the cache: streamed 8-10 GB/s at
   // 8 rows, tiled 5-6 with AMX, 3 with vdpbf16ps)

@@ -61,7 +61,7 @@ def quantize_mxfp4(w: torch.Tensor):
 class QuantLinearProblem:
     x: torch.Tensor            # [M, K], the model dtype
     codes: torch.Tensor        # uint8: fp8 [N, K] (e4m3fn bits), fp4 [N, K / 2] (e2m1 pairs)
-    scale: torch.Tensor        # [ceil(N / bn), ceil(K / bk)] float32
+    scale: torch.Tensor        # [ceil(N / bn), ceil(K / bk)] float32, or ue8m0 exponents as uint8 (read as they are)
     bn: int
     bk: int
     bias: torch.Tensor | None
@@ -79,6 +79,15 @@ class QuantLinearProblem:
     @property
     def K(self) -> int:
         return self.x.shape[1]
+
+    @property
+    def scale_float(self) -> torch.Tensor:
+        return self.scale if self.scale.dtype == torch.float32 else e8m0_to_float(self.scale)
+
+
+def _scale_bits(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scales as they are, ue8m0 ones as their uint8 bits (the kernels read them without a widened copy)."""
+    return (scale if scale.dtype == torch.float32 else scale.view(torch.uint8)).contiguous()
 
 
 def _check_act_and_bias(x, bias, N):
@@ -119,8 +128,7 @@ def parse_fp8_linear(x, weight, weight_scale, block_size, bias=None) -> QuantLin
         raise ValueError(f"weight_scale: expected shape [ceil(N / {bn}), ceil(K / {bk})] = {list(want)} for weight "
                          f"[{N}, {K}], got {list(weight_scale.shape)}")
     _check_devices(x, weight=weight, weight_scale=weight_scale, bias=bias)
-    scale = weight_scale if weight_scale.dtype == torch.float32 else e8m0_to_float(weight_scale)
-    return QuantLinearProblem(x=x.reshape(-1, K), codes=weight.view(torch.uint8), scale=scale.contiguous(), bn=bn,
+    return QuantLinearProblem(x=x.reshape(-1, K), codes=weight.view(torch.uint8), scale=_scale_bits(weight_scale), bn=bn,
                               bk=bk, bias=bias, out_shape=(*x.shape[:-1], N))
 
 
@@ -143,6 +151,5 @@ def parse_mxfp4_linear(x, weight, weight_scale, bias=None) -> QuantLinearProblem
         raise ValueError(f"weight_scale: expected shape [N, K / {MX_GROUP}] = {[N, K // MX_GROUP]} for weight "
                          f"{list(weight.shape)}, got {list(weight_scale.shape)}")
     _check_devices(x, weight=weight, weight_scale=weight_scale, bias=bias)
-    scale = weight_scale if weight_scale.dtype == torch.float32 else e8m0_to_float(weight_scale)
-    return QuantLinearProblem(x=x.reshape(-1, K), codes=weight.view(torch.uint8), scale=scale.contiguous(), bn=1,
+    return QuantLinearProblem(x=x.reshape(-1, K), codes=weight.view(torch.uint8), scale=_scale_bits(weight_scale), bn=1,
                               bk=MX_GROUP, bias=bias, out_shape=(*x.shape[:-1], N), format="fp4")

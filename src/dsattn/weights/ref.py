@@ -27,7 +27,7 @@ def dequantize_mxfp4(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.float
 def weight_of(P: QuantLinearProblem, dtype=torch.float64) -> torch.Tensor:
     if P.format == "fp4":
         return dequantize_mxfp4(P.codes, P.scale, dtype)
-    return dequantize(P.codes, P.scale, P.bn, P.bk, dtype)
+    return dequantize(P.codes, P.scale_float, P.bn, P.bk, dtype)
 
 
 def _product(P: QuantLinearProblem, dtype) -> torch.Tensor:

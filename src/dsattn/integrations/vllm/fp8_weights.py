@@ -112,14 +112,12 @@ def check_scale_shapes(model_dir, block) -> None:
             break
 
 
-def float_scale(scale: torch.Tensor) -> torch.Tensor:
-    """A layer's block scales as float32 (ue8m0 ones widened: 2^(e - 127)); the checkpoint's own fp32 kept."""
-    from dsattn.weights import e8m0_to_float
-    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
-        return e8m0_to_float(scale)
-    if scale.dtype != torch.float32:
-        return scale.float()
-    return scale
+def kernel_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A layer's block scales as dsattn's kernels read them: fp32 or ue8m0 (``float8_e8m0fnu`` / uint8 bits) as the
+    checkpoint has them, anything else widened to fp32 once, at load."""
+    if scale.dtype in (torch.float32, torch.float8_e8m0fnu, torch.uint8):
+        return scale
+    return scale.float()
 
 
 def _check_scale_shape(weight: torch.Tensor, scale: torch.Tensor, block, where: str) -> None:
@@ -169,7 +167,7 @@ def _linear_kernel_class():
             where = getattr(layer, "prefix", "") or type(layer).__name__
             _check_scale_shape(params.weight, params.block_scale, block, where)
             replace_parameter(layer, params.block_scale_attr,
-                              torch.nn.Parameter(float_scale(params.block_scale.data).contiguous(), requires_grad=False))
+                              torch.nn.Parameter(kernel_scale(params.block_scale.data).contiguous(), requires_grad=False))
 
         def apply_weights(self, layer, x, bias=None, **kwargs):
             params = self._get_layer_params(layer)
@@ -237,7 +235,7 @@ def _experts_class(fmt: str):
                   expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
                   apply_router_weight_on_input):
             qc = self.quant_config
-            w, s = (w1, w2), (float_scale(self.w1_scale), float_scale(self.w2_scale))
+            w, s = (w1, w2), (self.w1_scale, self.w2_scale)      # (as set up at load: no per-call conversion)
             if fmt == "fp8":        # (vLLM's CPU FP8 config keeps the block in the weights' group shape)
                 block = list(qc.block_shape) if qc.block_shape else [qc._w1.shape.row, qc._w1.shape.col]
 
@@ -318,7 +316,7 @@ def install() -> list[str]:
     _put_first(moe_oracle, moe_oracle.Fp8MoeBackend.CPU, experts_cls)
     _put_first(mxfp4_oracle, mxfp4_oracle.Mxfp4MoeBackend.CPU, mxfp4_cls)
 
-    # dsattn's experts read the checkpoint's codes as they load: no repacking, scales widened to fp32 once
+    # dsattn's experts read the checkpoint's codes and scales as they load: no repacking
     from vllm.model_executor.utils import replace_parameter
     original_setup = fp8_quant.Fp8MoEMethod._setup_kernel
 
@@ -330,8 +328,8 @@ def install() -> list[str]:
         check_block(block, f"{where}: weight_block_size")
         _check_scale_shape(w13, w13_scale, block, where + " (w13)")
         _check_scale_shape(w2, w2_scale, block, where + " (w2)")
-        replace_parameter(layer, f"w13_{self.weight_scale_name}", float_scale(w13_scale.data).contiguous())
-        replace_parameter(layer, f"w2_{self.weight_scale_name}", float_scale(w2_scale.data).contiguous())
+        replace_parameter(layer, f"w13_{self.weight_scale_name}", kernel_scale(w13_scale.data).contiguous())
+        replace_parameter(layer, f"w2_{self.weight_scale_name}", kernel_scale(w2_scale.data).contiguous())
         self._init_moe_kernel(layer)
 
     fp8_quant.Fp8MoEMethod._setup_kernel = _setup_kernel
