@@ -1,7 +1,8 @@
 """dsattn's FP8 block-scaled linear (``fp8_block_linear``: e4m3 codes read in place, one scale per 128 x 128 block,
 bf16 activations) on DeepSeek-V3.2 and V4-Flash layer shapes, side by side with the same product on a bf16 weight
 (``x @ W.T``: the checkpoint dequantised offline, twice the bytes) and, where vLLM's AMX kernel runs, vLLM's own
-``fp8_scaled_mm_cpu`` -- with the machine's copy bandwidth and GEMM ceilings measured in the same run.
+``fp8_scaled_mm_cpu`` -- with the machine's copy bandwidth and GEMM ceilings measured in the same run.  Where
+vLLM's kernel runs, it ends with the kernel the plug-in picks for each layer (``linear_choice``).
 
 Decode-shaped calls (M 1-8) report the weight bytes read a second against the copy bandwidth (each call reads
 another copy of the layer: the copies together exceed the last-level cache, as a model's layers do); prefill-shaped
@@ -92,13 +93,16 @@ def main() -> int:
           + "dsattn / ceiling |")
     print("|---|---|---|---|---|---|" + ("---|" if theirs else "") + "---|")
     g = torch.Generator().manual_seed(0)
+    choices = []
+    if theirs:
+        from dsattn.integrations.vllm.fp8_weights import PREFILL_ROWS, linear_choice as choice
     for model, layer, N, K in shapes:
         copies = max(1, STREAM_BYTES // (N * K))
         codes = [torch.randint(0, 126, (N, K), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
                  for _ in range(copies)]
         scale = torch.rand(-(-N // 128), -(-K // 128), generator=g) * 1e-2
         dense = torch.randn(N, K, generator=g).to(torch.bfloat16)
-        packed = torch.ops._C.convert_weight_packed(codes[0]) if theirs else None
+        packed = [torch.ops._C.convert_weight_packed(cd) for cd in codes] if theirs else None
         for M in decode_m + prefill_m:
             x = torch.randn(M, K, generator=g).to(torch.bfloat16)
             decode = M in decode_m
@@ -109,7 +113,12 @@ def main() -> int:
                 return dsattn.ops.fp8_block_linear(x, codes[state["i"]], scale, [128, 128])
             t = best_of(ours, 2 * copies if decode else 3)
             td = best_of(lambda: x @ dense.T, 3)
-            tv = best_of(lambda: theirs(x, packed, scale), 3) if theirs else None
+            tv = None
+            if theirs:                                  # (its packed copies rotated as ours are)
+                def vllms():
+                    state["i"] = (state["i"] + 1) % copies if decode else 0
+                    return theirs(x, packed[state["i"]], scale)
+                tv = best_of(vllms, 2 * copies if decode else 3)
             if decode:
                 rate = lambda s: f"{N * K / s / 1e9:.1f} GB/s"  # noqa: E731
                 share = f"{100 * N * K / t / 1e9 / c['copy']:.0f} % of copy"
@@ -120,9 +129,17 @@ def main() -> int:
                 bf16 = f"{td * 1e3:.2f} ms ({rate(td)})"
             row = f"| {model} | {layer} | {N} x {K} | {M} | {t * 1e3:.2f} ms ({rate(t)}) | {bf16} | "
             if theirs:
-                row += f"{tv * 1e3:.2f} ms ({rate(tv)}, cached) | "
+                row += f"{tv * 1e3:.2f} ms ({rate(tv)}) | "
             print(row + share + " |", flush=True)
-        del codes
+        if theirs:
+            choices.append((model, layer, N, K, choice(N, K, (128, 128))))
+        del codes, packed
+    if choices:
+        print(f"\nThe plug-in's choice for a bf16 layer here (DSATTN_FP8_KERNELS=auto: each kernel timed once, hot, at "
+              f"1 / {PREFILL_ROWS} rows; dsattn's only if no slower at both):")
+        for model, layer, N, K, c in choices:
+            print(f"- {model} {layer} [{N} x {K}]: dsattn {c['dsattn'][0]:.3f} / {c['dsattn'][1]:.2f} ms, vLLM "
+                  f"{c['vllm'][0]:.3f} / {c['vllm'][1]:.2f} ms: **{c['chosen']}**")
     N, K = 24576, 1536
     w = torch.randint(0, 126, (N, K), dtype=torch.uint8).view(torch.float8_e4m3fn)
     s = torch.rand(N // 128, K // 128)

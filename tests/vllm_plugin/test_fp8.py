@@ -106,6 +106,41 @@ BAD_CONFIGS = [
 ]
 
 
+def _linear_config(N, K, dtype):
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8Dynamic128Sym, kFp8Static128BlockSym
+    return FP8ScaledMMLinearLayerConfig(weight_quant_key=kFp8Static128BlockSym, activation_quant_key=kFp8Dynamic128Sym,
+                                        weight_shape=(N, K), input_dtype=dtype, out_dtype=dtype)
+
+
+def test_linear_kernel_choice(monkeypatch):
+    """dsattn's FP8 linear takes every layer vLLM has no kernel for; where vLLM's AMX kernel takes a bf16 layer, the
+    faster of the two on that layer's shape serves it (dsattn's only if no slower at 1 row and at a prefill)."""
+    from dsattn.integrations.vllm import fp8_weights
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
+    fp8_weights.install()
+    from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
+    from vllm.platforms import PlatformEnum
+    ours = _POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU][0]
+    assert ours.__name__ == "DsattnFp8BlockLinear"
+    assert ours.can_implement(_linear_config(384, 640, torch.float32)) == (True, None)
+    amx = CPUFp8BlockScaledMMKernel.is_supported()[0]
+    ok, why = ours.can_implement(_linear_config(384, 640, torch.bfloat16))
+    if not amx:
+        assert (ok, why) == (True, None)
+        return
+    c = fp8_weights.linear_choices()[(384, 640, 128, 128)]
+    assert all(t > 0 for t in c["dsattn"] + c["vllm"]) and len(c["dsattn"]) == 2
+    faster = all(a <= b for a, b in zip(c["dsattn"], c["vllm"]))
+    assert c["chosen"] == ("dsattn" if faster else "vllm") and ok == faster
+    if not ok:
+        assert "timed slower than vLLM's AMX kernel on [384 x 640]" in why
+    monkeypatch.setenv(fp8_weights.KERNELS_ENV, "dsattn")
+    assert ours.can_implement(_linear_config(384, 640, torch.bfloat16)) == (True, None)
+    monkeypatch.setenv(fp8_weights.KERNELS_ENV, "vllm")
+    assert not ours.is_supported()[0]
+
+
 @pytest.mark.parametrize("change,message", BAD_CONFIGS)
 def test_a_config_it_cannot_serve_is_named_before_any_weight_loads(change, message, checkpoints, tmp_path):
     """The load-time check itself (what the platform runs on vLLM's model config, before any weight is read)."""

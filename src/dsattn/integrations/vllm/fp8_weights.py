@@ -11,9 +11,11 @@ Installed by :func:`install` in every vLLM process (``register()``):
   routing, dsattn groups the tokens by expert and runs each expert's two linears (its weight read once a step);
 * vLLM's ``Fp8Config`` takes float32 activations where dsattn's kernels serve.
 
-Which kernel serves a layer: ``DSATTN_FP8_KERNELS`` = ``auto`` (vLLM's where its AMX kernel takes the layer:
-bfloat16 on an AMX CPU; dsattn's elsewhere), ``dsattn`` (dsattn's everywhere) or ``vllm`` (vLLM's only: loading
-fails where it has none, as without the plug-in).
+Which kernel serves a layer: ``DSATTN_FP8_KERNELS`` = ``auto``, ``dsattn`` (dsattn's everywhere) or ``vllm``
+(vLLM's only: loading fails where it has none, as without the plug-in).  ``auto``: dsattn's where vLLM has no kernel;
+where it has one (bfloat16 on an AMX CPU) a linear layer's shape is timed once a process with both kernels, one row
+(decode) and ``PREFILL_ROWS`` rows, and dsattn's serves it only if it is no slower at both (:func:`linear_choice`,
+logged at load); the MoE experts stay vLLM's there.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ def kernels() -> str:
     if value not in KERNEL_CHOICES:
         raise ValueError(f"{KERNELS_ENV}={value!r}: expected one of {', '.join(KERNEL_CHOICES)}")
     return value
+
+
+PREFILL_ROWS = 256             # the prefill-shaped call a layer's kernels are timed on
 
 
 def vllm_serves(act_dtype: torch.dtype) -> bool:
@@ -131,6 +136,12 @@ def _check_scale_shape(weight: torch.Tensor, scale: torch.Tensor, block, where: 
 
 # ---- linear ----
 
+def _vllm_linear_takes(config) -> bool:
+    """Whether vLLM's own AMX FP8 linear kernel could serve this layer here."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
+    return CPUFp8BlockScaledMMKernel.is_supported()[0] and CPUFp8BlockScaledMMKernel.can_implement(config)[0]
+
+
 def _linear_kernel_class():
     from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
     from vllm.model_executor.utils import replace_parameter
@@ -157,8 +168,13 @@ def _linear_kernel_class():
                 return False, f"takes a K block that is a multiple of {BLOCK_K_MULTIPLE}, got {gs.col}."
             if config.out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 return False, f"takes bfloat16 / float16 / float32 outputs, got {config.out_dtype}."
-            if vllm_serves(config.input_dtype):
-                return False, f"leaves {config.input_dtype} on this CPU to vLLM's AMX kernel ({KERNELS_ENV}=auto)."
+            if vllm_serves(config.input_dtype) and _vllm_linear_takes(config):
+                N, K = config.weight_shape
+                c = linear_choice(N, K, (gs.row, gs.col))
+                if c["chosen"] == "vllm":
+                    return False, (f"timed slower than vLLM's AMX kernel on [{N} x {K}] (dsattn {c['dsattn'][0]:.3f} / "
+                                   f"{c['dsattn'][1]:.2f} ms, vLLM {c['vllm'][0]:.3f} / {c['vllm'][1]:.2f} ms at 1 / "
+                                   f"{PREFILL_ROWS} rows; {KERNELS_ENV}=auto).")
             return True, None
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -178,6 +194,55 @@ def _linear_kernel_class():
             raise NotImplementedError
 
     return DsattnFp8BlockLinear
+
+
+_linear_choices: dict = {}
+
+
+def linear_choice(N: int, K: int, block) -> dict:
+    """Which kernel serves a bf16 FP8 linear of weight [N, K] in ``block`` on an AMX CPU, timed once a process per
+    shape on random codes, both kernels hot: ``{"dsattn": [ms at 1 row, ms at PREFILL_ROWS], "vllm": [...],
+    "chosen": "dsattn" | "vllm"}``; dsattn's only where it is no slower at both."""
+    key = (int(N), int(K), *(int(b) for b in block))
+    if key not in _linear_choices:
+        _linear_choices[key] = _time_linear_kernels(*key)
+        c = _linear_choices[key]
+        logger.info("dsattn FP8 linear [%d x %d], block %s, bf16 (%s=auto): dsattn %.3f / %.2f ms, vLLM's AMX kernel "
+                    "%.3f / %.2f ms at 1 / %d rows: %s's serves it", N, K, list(block), KERNELS_ENV, *c["dsattn"],
+                    *c["vllm"], PREFILL_ROWS, c["chosen"])
+    return _linear_choices[key]
+
+
+def linear_choices() -> dict:
+    """The choices :func:`linear_choice` made in this process, by (N, K, block_n, block_k)."""
+    return dict(_linear_choices)
+
+
+def _best_ms(fn, budget_s: float = 0.05, reps_max: int = 20) -> float:
+    import time
+    fn()
+    best, spent, reps = float("inf"), 0.0, 0
+    while reps < 3 or (spent < budget_s and reps < reps_max):
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        best, spent, reps = min(best, dt), spent + dt, reps + 1
+    return best * 1e3
+
+
+def _time_linear_kernels(N: int, K: int, bn: int, bk: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    codes = (torch.randn(N, K, generator=gen) * 64).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-N // bn), -(-K // bk), generator=gen) * 1e-2 + 1e-3
+    packed = torch.ops._C.convert_weight_packed(codes)
+    times = {"dsattn": [], "vllm": []}
+    for M in (1, PREFILL_ROWS):
+        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+        times["dsattn"].append(_best_ms(lambda: torch.ops.dsattn.fp8_block_linear(x, codes, scale, [bn, bk])))
+        times["vllm"].append(_best_ms(lambda: torch.ops._C.fp8_scaled_mm_cpu(x, packed, scale, [bn, bk], None,
+                                                                               torch.bfloat16, True)))
+    faster = all(ours <= theirs for ours, theirs in zip(times["dsattn"], times["vllm"]))
+    return {**times, "chosen": "dsattn" if faster else "vllm"}
 
 
 # ---- MoE experts ----
