@@ -66,8 +66,11 @@ KERNEL_TESTS := tests/test_native_kernels.py tests/test_gemm_kernel.py tests/tes
 	tests/test_sharedkv_compiled.py tests/test_cpu_isa.py tests/test_vendor_invariance.py tests/test_fp8_linear.py
 
 # DeepSeek-V4 served with vLLM's AVX-512 and AVX2 kernel libraries (DSATTN_CPU_ISA makes the plug-in load them; the
-# V4 ops they lack are dsattn's)
-V4_CLASS_TESTS := tests/vllm_plugin/test_v4.py 'tests/vllm_plugin/test_serve.py::test_serve_concurrent_completions[v4]'
+# V4 ops they lack are dsattn's).  Left to the suite's run on this CPU's library: the errors the plug-in raises before
+# any kernel runs and the tensor-parallel split (vLLM's own all-reduce); `make test-vllm V4_CLASS_SKIP=` runs them too
+V4_CLASS_SKIP := -k 'not dtypes_said_up_front and not need_top_512 and not tensor_parallel'
+V4_CLASS_TESTS := tests/vllm_plugin/test_v4.py 'tests/vllm_plugin/test_serve.py::test_serve_concurrent_completions[v4]' \
+	$(V4_CLASS_SKIP)
 
 # every part runs whatever the others gave (.ci/parts), and the run ends with each part's result and time
 test: $(VENV)/.wheel $(VLLM_VENV)/.wheel

@@ -11,7 +11,11 @@ llama-cpp-python vendors (``convert_hf_to_gguf.py``; its pre-tokenizer check is 
 GPT-2's byte-level BPE, trained here, and llama.cpp only needs it to load).  ``--models v4``: V4-Flash's
 attention (``vllm_serve.py``'s widths) on a CSA + an HCA layer with 64 routed experts in FP4, written twice
 (``write_v4``): packed as DeepSeek ships them for llama.cpp's converter (which takes nothing else), and the same
-values in float32 for vLLM.  Nothing is downloaded but the two engines' packages.
+values in float32 for vLLM.  ``--models v4q``: the same V4 as DeepSeek ships it (``tiny.write_v4_shipped``: FP8
+linears with ue8m0 scales, MXFP4 routed experts), one checkpoint for both engines: vLLM + dsattn serve it in
+bf16 reading the codes in place (``fp8_block_linear``, ``mxfp4_linear``: ``DSATTN_FP8_KERNELS=dsattn``, on every
+class), llama.cpp's converter makes the linears Q8_0 and the experts MXFP4 (how it converts V4-Flash).  Nothing is
+downloaded but the two engines' packages.
 
 Per context, one random prompt (batch 1), each engine in its own fresh process: the prefill's seconds, then
 ``--tokens`` greedy decode steps timed one by one (median ms a token), the process's peak RSS, and the greedy
@@ -60,9 +64,6 @@ V32_WIDTHS = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, moe_i
 # V4-Flash's attention (vllm_serve.py's widths: 64 heads x 512, window 128, CSA top-512 over ratio 4, HCA over
 # ratio 128) on one CSA + HCA pair; 64 small routed experts (the fewest vLLM's CPU routers take)
 V4_LAYERS = 1
-
-# e2m1 (FP4) values by code, as DeepSeek-V4's routed experts and ggml's MXFP4 store them (sign in bit 3)
-from dsattn.weights.problem import E2M1  # noqa: E402,F401
 
 
 # --- the checkpoints and their GGUFs ------------------------------------------------------------------------
@@ -142,6 +143,16 @@ def write_v4(path, layers: int = V4_LAYERS) -> tuple[Path, Path]:
     shutil.copytree(dense, packed_dir, ignore=shutil.ignore_patterns("model.safetensors"))
     safetensors.torch.save_file(packed, str(packed_dir / "model.safetensors"), metadata={"format": "pt"})
     return dense, packed_dir
+
+
+def write_v4_shipped(path, layers: int = V4_LAYERS) -> Path:
+    """The V4 of :func:`write_v4` in DeepSeek's shipped format (FP8 linears, MXFP4 experts), bf16 elsewhere."""
+    from dsattn.integrations.vllm import tiny
+    sys.path.insert(0, str(_HERE))
+    import vllm_serve
+    shipped, _ = tiny.write_v4_shipped(path, **vllm_serve.v4_flash_widths(layers, "bfloat16"))
+    write_bpe_tokenizer(shipped, 4096)
+    return shipped
 
 
 def llama_source() -> Path:
@@ -238,19 +249,21 @@ def run_llama(gguf: Path, prompt_file: Path, tokens: int, flash_attn: bool, time
 
 def run_vllm(model: Path, kind: str, prompt_file: Path, tokens: int, chunk: int, layers: int, timeout: int,
              in_process: bool = True) -> dict:
-    """vLLM + dsattn through ``vllm_serve.py``'s worker (the same engine settings), float32.  ``in_process``: the
+    """vLLM + dsattn through ``vllm_serve.py``'s worker (the same engine settings), float32 (``v4q``: bf16, the
+    checkpoint's FP8 / MXFP4 codes read in place by dsattn's kernels).  ``in_process``: the
     engine core in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as llama.cpp runs; otherwise
     vLLM's default, an engine-core process whose OpenMP threads leave one core to the scheduler's process (on
     two cores: the model runs on one)."""
     n = len(json.loads(prompt_file.read_text()))
-    if kind == "v4":                       # FP8 window / compressed rows and indexer keys (vllm_serve.py's sizing)
+    if kind.startswith("v4"):              # FP8 window / compressed rows and indexer keys (vllm_serve.py's sizing)
         kv_bytes = (n // 4 + n // 64 + 8192) * 700 * layers + (256 << 20)
     else:                                  # float32 latent rows + indexer keys, padded
         kv_bytes = (n + tokens + 64) * layers * 3000 + (256 << 20)
     spec = dict(model=str(model), vocab=0, lengths=[n], prompt_files=[str(prompt_file)], tokens=tokens,
-                kv_bytes=kv_bytes, chunk=chunk, dtype="float32", load_format="auto",
+                kv_bytes=kv_bytes, chunk=chunk, dtype="bfloat16" if kind == "v4q" else "float32", load_format="auto",
                 prefix_caching=False)                # one prompt each: nothing to reuse (llama.cpp keeps none)
-    env = dict(os.environ, DSATTN_V4_KERNELS="dsattn", VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1")
+    env = dict(os.environ, DSATTN_V4_KERNELS="dsattn", DSATTN_FP8_KERNELS="dsattn",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1")
     return run([sys.executable, str(_HERE / "vllm_serve.py"), "--worker", json.dumps(spec)], timeout, env)
 
 
@@ -266,7 +279,8 @@ def same_prefix(a: list[int], b: list[int]) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="v32,v4", help="v32 (DeepSeek-V3.2), v4 (DeepSeek-V4-Flash widths)")
+    ap.add_argument("--models", default="v32,v4,v4q", help="v32 (DeepSeek-V3.2), v4 (DeepSeek-V4-Flash widths, "
+                    "float32), v4q (the same V4 in its shipped FP8 / MXFP4 format)")
     ap.add_argument("--contexts", default="8192,32768,65536")
     ap.add_argument("--tokens", type=int, default=8, help="greedy decode steps (timed one by one)")
     ap.add_argument("--layers", type=int, default=V32_WIDTHS["num_hidden_layers"])
@@ -304,15 +318,24 @@ def main(argv=None) -> int:
             what = ("DeepSeek-V4-Flash attention widths (64 heads x 512, window 128, CSA top-512 at ratio 4, HCA at "
                     "ratio 128), a CSA + an HCA layer, 64 routed experts in FP4 (llama.cpp: MXFP4; vLLM: the same "
                     "values in float32)")
+        elif kind == "v4q":
+            model = source = work / "v4q" / "shipped"
+            if not (source / "model.safetensors").is_file():
+                write_v4_shipped(work / "v4q")
+            vocab, layers = 4096, 2 * V4_LAYERS
+            what = ("DeepSeek-V4-Flash attention widths, a CSA + an HCA layer, 64 routed experts, as DeepSeek ships it "
+                    "(FP8 linears, MXFP4 experts): vLLM + dsattn bf16 reading the codes in place, llama.cpp Q8_0 "
+                    "linears + MXFP4 experts (its converter's V4 output)")
         else:
-            raise ValueError(f"--models: {kind!r} is not one of v32, v4")
+            raise ValueError(f"--models: {kind!r} is not one of v32, v4, v4q")
         gguf = work / f"{kind}.gguf"
         if not gguf.is_file() and any(e.startswith("llama") for e in engines):
             convert(source, gguf)
         written = time.perf_counter() - t
         print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; torch "
-              f"{torch.__version__}, vllm {vllm.__version__}, llama-cpp-python {LLAMA_VERSION}; model: {what}; float32 "
-              f"(GGUF f32, llama.cpp's f16 KV cache); checkpoint + GGUF written in {written:.0f} s; batch 1, "
+              f"{torch.__version__}, vllm {vllm.__version__}, llama-cpp-python {LLAMA_VERSION}; model: {what}; "
+              + ("bf16 (vLLM; GGUF Q8_0 + MXFP4 + f32" if kind == "v4q" else "float32 (GGUF f32")
+              + f", llama.cpp's f16 KV cache); checkpoint + GGUF written in {written:.0f} s; batch 1, "
               f"{args.tokens} greedy tokens")
         print("| model | context | engine | prefill s | decode ms / token (median) | decode tok/s | peak RSS GB | "
               "vs vLLM + dsattn (prefill, decode) | greedy tokens equal to vLLM + dsattn's |")

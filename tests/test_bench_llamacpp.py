@@ -50,7 +50,8 @@ def test_fp4_quantize_packs_deepseeks_format():
     assert packed.dtype == scales.dtype == torch.uint8
     assert packed.shape == (24, 48) and scales.shape == (24, 3)
     codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(24, 96).long()
-    decoded = torch.tensor(llamacpp.E2M1)[codes] * torch.exp2(scales.float() - 127).repeat_interleave(32, 1)
+    from dsattn.weights.problem import E2M1
+    decoded = torch.tensor(E2M1)[codes] * torch.exp2(scales.float() - 127).repeat_interleave(32, 1)
     assert torch.equal(decoded, values)
     scale = torch.exp2(scales.float() - 127).repeat_interleave(32, 1)
     assert ((w - values).abs() <= scale + 1e-30).all()                 # half of e2m1's widest step (2)
@@ -87,3 +88,14 @@ def test_a_row_over_its_limit_says_how_far_the_prefill_got():
               "time.sleep(60)\n")
     res = llamacpp.run([sys.executable, "-c", worker], timeout=3)
     assert res == {"error": "over the 3 s limit (4096 prompt tokens prefilled in 4.1 s)"}
+
+
+def test_the_llama_worker_runs_without_dsattn():
+    """The llama.cpp side runs this script in llama-cpp-python's own venv, which has no dsattn (nor torch's
+    extras): the module must load with dsattn absent, importing it only where the vLLM side needs it."""
+    import subprocess
+    import sys
+    code = ("import sys, runpy; sys.modules['dsattn'] = None; "
+            f"runpy.run_path({str(ROOT / 'bench' / 'llamacpp.py')!r}, run_name='llama_worker_check')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
