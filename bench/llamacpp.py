@@ -197,6 +197,15 @@ def llama_worker(spec: dict) -> dict:
     greedy steps of one token (the argmax of the last logits), each timed."""
     import numpy as np
     from llama_cpp import Llama
+    if not spec.get("extra_bufts", True):          # llama.cpp's use_extra_bufts (AMX, repacked layouts) off
+        import llama_cpp.llama as api
+        defaults = api.llama_cpp.llama_model_default_params
+
+        def params():
+            p = defaults()
+            p.use_extra_bufts = False
+            return p
+        api.llama_cpp.llama_model_default_params = params
     prompt = json.loads(Path(spec["prompt"]).read_text())
     threads = os.cpu_count()
     llm = Llama(model_path=spec["gguf"], n_ctx=len(prompt) + spec["tokens"] + 16, n_batch=spec["n_batch"],
@@ -241,9 +250,15 @@ def run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def run_llama(gguf: Path, prompt_file: Path, tokens: int, flash_attn: bool, timeout: int) -> dict:
+def has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_tile" in f.read()
+
+
+def run_llama(gguf: Path, prompt_file: Path, tokens: int, flash_attn: bool, timeout: int,
+              extra_bufts: bool = True) -> dict:
     spec = dict(gguf=str(gguf), prompt=str(prompt_file), tokens=tokens, flash_attn=flash_attn, n_batch=2048,
-                n_ubatch=512)
+                n_ubatch=512, extra_bufts=extra_bufts)
     return run([str(LLAMA_VENV / "bin" / "python"), __file__, "--llama-worker", json.dumps(spec)], timeout)
 
 
@@ -358,7 +373,10 @@ def main(argv=None) -> int:
                     res[engine] = run_vllm(model, kind, prompt_file, args.tokens, args.chunk, layers, args.timeout,
                                            in_process=engine == "dsattn")
                 else:
-                    res[engine] = run_llama(gguf, prompt_file, args.tokens, engine == "llama-fa", args.timeout)
+                    # (v4q on an AMX CPU: llama.cpp's AMX buffer type takes the Q8_0 linears and its scheduler then
+                    # aborts, ggml-backend.cpp GGML_ASSERT(*cur_backend_id != -1): extra buffer types off there)
+                    res[engine] = run_llama(gguf, prompt_file, args.tokens, engine == "llama-fa", args.timeout,
+                                            extra_bufts=not (kind == "v4q" and has_amx()))
                 r, ours = res[engine], res.get("dsattn", {})
                 head = f"| {kind} | {ctx // 1024}K | {names[engine]} |"
                 if "error" in r:
