@@ -1,6 +1,7 @@
 """dsattn's FP8 block-scaled linear (``fp8_block_linear``: e4m3 codes read in place, one scale per 128 x 128 block,
 bf16 activations) on DeepSeek-V3.2 and V4-Flash layer shapes, side by side with the same product on a bf16 weight
-(``x @ W.T``: the checkpoint dequantised offline, twice the bytes) and, where vLLM's AMX kernel runs, vLLM's own
+(``x @ W.T``: the checkpoint dequantised offline, twice the bytes; V4-Flash's MXFP4 routed experts through
+``mxfp4_linear``, four times) and, where vLLM's AMX kernel runs, vLLM's own
 ``fp8_scaled_mm_cpu`` -- with the machine's copy bandwidth and GEMM ceilings measured in the same run.  Where
 vLLM's kernel runs, it ends with the kernel the plug-in picks for each layer (``linear_choice``).
 
@@ -22,6 +23,8 @@ import torch
 SHAPES = [("V3.2", "q_b_proj", 24576, 1536), ("V3.2", "o_proj", 7168, 16384), ("V3.2", "kv_a_proj (N 576)", 576, 7168),
           ("V3.2", "expert gate+up", 4096, 7168), ("V4-Flash", "wq_b", 32768, 1024),
           ("V4-Flash", "shared expert down", 4096, 2048)]
+# DeepSeek-V4-Flash's routed experts as it ships them: MXFP4 (e2m1 pairs, a ue8m0 scale per 32), ``mxfp4_linear``
+MX_SHAPES = [("V4-Flash", "routed expert w1 + w3 (MXFP4)", 4096, 4096), ("V4-Flash", "routed expert w2 (MXFP4)", 4096, 2048)]
 DECODE_M = (1, 2, 4, 8)
 PREFILL_M = (256, 1024)
 STREAM_BYTES = 1 << 30          # the decode calls rotate over this many weight bytes (past any last-level cache)
@@ -72,37 +75,47 @@ def vllm_kernel():
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two shapes, M 1 / 8 / 256")
+    parser.add_argument("--quick", action="store_true", help="two FP8 shapes and one MXFP4, M 1 / 8 / 256")
+    parser.add_argument("--formats", default="fp8,mxfp4", help="which weight formats' rows: fp8, mxfp4")
     args = parser.parse_args()
     import dsattn
     from dsattn.native import isa
     from dsattn.weights import quantize_fp8_blocks  # noqa: F401
-    shapes = SHAPES[:2] if args.quick else SHAPES
+    formats = args.formats.split(",")
+    shapes = [(*row, "fp8") for row in (SHAPES[:2] if args.quick else SHAPES) if "fp8" in formats]
+    shapes += [(*row, "mxfp4") for row in (MX_SHAPES[:1] if args.quick else MX_SHAPES) if "mxfp4" in formats]
     decode_m, prefill_m = ((1, 8), (256,)) if args.quick else (DECODE_M, PREFILL_M)
     own = isa.cpu_class()
     label = "" if isa.cpu_isa() == own else f" (emulated on {own}: which code runs, not its speed there)"
     c = ceilings()
     gemm_dt = torch.bfloat16 if torch.bfloat16 in c else torch.float32
-    print(f"python bench/fp8_linear.py{' --quick' if args.quick else ''}  (DSATTN_CPU_ISA={isa.cpu_isa()}{label}, "
+    print(f"python bench/fp8_linear.py{' --quick' if args.quick else ''}"
+          f"{' --formats ' + args.formats if args.formats != 'fp8,mxfp4' else ''}  (DSATTN_CPU_ISA={isa.cpu_isa()}{label}, "
           f"{torch.get_num_threads()} threads)")
     print(f"copy bandwidth {c['copy']:.1f} GB/s (read + write, {STREAM_BYTES >> 20} MiB), read {c['read']:.1f} GB/s; "
           f"GEMM ceiling {c[gemm_dt]:.0f} GFLOP/s ({str(gemm_dt).split('.')[-1]} 2048^3)"
           + (f", fp32 {c[torch.float32]:.0f}" if gemm_dt != torch.float32 else ""))
     theirs = vllm_kernel()
-    print("\n| model | layer | N x K | M | dsattn FP8 | bf16 weight (x @ W.T) | " + ("vLLM fp8_scaled_mm_cpu | " if theirs else "")
+    print("\n| model | layer | N x K | M | dsattn (FP8 or MXFP4) | bf16 weight (x @ W.T) | " + ("vLLM fp8_scaled_mm_cpu | " if theirs else "")
           + "dsattn / ceiling |")
     print("|---|---|---|---|---|---|" + ("---|" if theirs else "") + "---|")
     g = torch.Generator().manual_seed(0)
     choices = []
     if theirs:
         from dsattn.integrations.vllm.fp8_weights import PREFILL_ROWS, linear_choice as choice
-    for model, layer, N, K in shapes:
-        copies = max(1, STREAM_BYTES // (N * K))
-        codes = [torch.randint(0, 126, (N, K), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-                 for _ in range(copies)]
-        scale = torch.rand(-(-N // 128), -(-K // 128), generator=g) * 1e-2
+    for model, layer, N, K, fmt in shapes:
+        mx = fmt == "mxfp4"
+        nbytes = N * K // 2 + N * K // 32 if mx else N * K          # the weight bytes a call reads (codes + scales)
+        copies = max(1, STREAM_BYTES // nbytes)
+        if mx:
+            codes = [torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g) for _ in range(copies)]
+            scale = torch.randint(118, 124, (N, K // 32), dtype=torch.uint8, generator=g)     # ue8m0
+        else:
+            codes = [torch.randint(0, 126, (N, K), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+                     for _ in range(copies)]
+            scale = torch.rand(-(-N // 128), -(-K // 128), generator=g) * 1e-2
         dense = torch.randn(N, K, generator=g).to(torch.bfloat16)
-        packed = [torch.ops._C.convert_weight_packed(cd) for cd in codes] if theirs else None
+        packed = [torch.ops._C.convert_weight_packed(cd) for cd in codes] if theirs and not mx else None
         for M in decode_m + prefill_m:
             x = torch.randn(M, K, generator=g).to(torch.bfloat16)
             decode = M in decode_m
@@ -110,18 +123,20 @@ def main() -> int:
 
             def ours():
                 state["i"] = (state["i"] + 1) % copies if decode else 0
+                if mx:
+                    return dsattn.ops.mxfp4_linear(x, codes[state["i"]], scale)
                 return dsattn.ops.fp8_block_linear(x, codes[state["i"]], scale, [128, 128])
             t = best_of(ours, 2 * copies if decode else 3)
             td = best_of(lambda: x @ dense.T, 3)
             tv = None
-            if theirs:                                  # (its packed copies rotated as ours are)
+            if packed:                                  # (its packed copies rotated as ours are)
                 def vllms():
                     state["i"] = (state["i"] + 1) % copies if decode else 0
                     return theirs(x, packed[state["i"]], scale)
                 tv = best_of(vllms, 2 * copies if decode else 3)
             if decode:
-                rate = lambda s: f"{N * K / s / 1e9:.1f} GB/s"  # noqa: E731
-                share = f"{100 * N * K / t / 1e9 / c['copy']:.0f} % of copy"
+                rate = lambda s: f"{nbytes / s / 1e9:.1f} GB/s"  # noqa: E731
+                share = f"{100 * nbytes / t / 1e9 / c['copy']:.0f} % of copy"
                 bf16 = f"{td * 1e3:.2f} ms ({2 * N * K / td / 1e9:.1f} GB/s, cached)"
             else:
                 rate = lambda s: f"{2 * M * N * K / s / 1e9:.0f} GFLOP/s"  # noqa: E731
@@ -129,9 +144,9 @@ def main() -> int:
                 bf16 = f"{td * 1e3:.2f} ms ({rate(td)})"
             row = f"| {model} | {layer} | {N} x {K} | {M} | {t * 1e3:.2f} ms ({rate(t)}) | {bf16} | "
             if theirs:
-                row += f"{tv * 1e3:.2f} ms ({rate(tv)}) | "
+                row += f"{tv * 1e3:.2f} ms ({rate(tv)}) | " if tv is not None else "- | "
             print(row + share + " |", flush=True)
-        if theirs:
+        if packed:
             choices.append((model, layer, N, K, choice(N, K, (128, 128))))
         del codes, packed
     if choices:

@@ -160,7 +160,8 @@ def test_mxfp4_matches_golden(path, dtype, M, N, K):
 
 
 @pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
-def test_mxfp4_extreme_scales_and_the_op(path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_extreme_scales_and_the_op(path, dtype):
     gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
     N, K = 40, 256
     codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
@@ -169,7 +170,7 @@ def test_mxfp4_extreme_scales_and_the_op(path):
     codes[:10, 32:48] &= 0x99            # (magnitudes 0 / 0.5 only)
     scale[10:20, 5] = 0                  # 2^-127, an fp32 subnormal
     scale[20, 1] = 255                   # NaN scale: that row's outputs NaN
-    x = torch.randn(6, K, generator=gen) * 1e-3
+    x = (torch.randn(6, K, generator=gen) * 1e-3).to(dtype)
     y = _run_fp4(path, x, codes, scale)
     _check_fp4(y, x, codes, scale)
     assert torch.isnan(y[:, 20]).all() and torch.isfinite(y[:, :20]).all() and y[:, :10].abs().max() > 1e30
