@@ -82,6 +82,8 @@ def main() -> int:
     from dsattn.native import isa
     from dsattn.weights import quantize_fp8_blocks  # noqa: F401
     formats = args.formats.split(",")
+    if not formats or set(formats) - {"fp8", "mxfp4"}:
+        parser.error(f"--formats {args.formats!r}: expected a comma-separated subset of fp8, mxfp4")
     shapes = [(*row, "fp8") for row in (SHAPES[:2] if args.quick else SHAPES) if "fp8" in formats]
     shapes += [(*row, "mxfp4") for row in (MX_SHAPES[:1] if args.quick else MX_SHAPES) if "mxfp4" in formats]
     decode_m, prefill_m = ((1, 8), (256,)) if args.quick else (DECODE_M, PREFILL_M)

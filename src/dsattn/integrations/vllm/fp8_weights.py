@@ -149,7 +149,7 @@ def _linear_kernel_class():
 
     class DsattnFp8BlockLinear(Fp8BlockScaledMMLinearKernel):
         """W8A16 block-scaled FP8 linear on dsattn's ``fp8_block_linear``: the checkpoint's codes [N, K] as they
-        load (no packing: MLA's ``kv_b_proj``, which vLLM reads back, keeps its layout too), scales in fp32."""
+        load (no packing: MLA's ``kv_b_proj``, which vLLM reads back, keeps its layout too), scales fp32 or ue8m0."""
 
         apply_input_quant = False
 
