@@ -180,6 +180,25 @@ def test_mxfp4_extreme_scales_and_the_op(path, dtype):
     assert _same_bits(y, _run_fp4(path, x, codes, e8m0_to_float(scale)))
 
 
+@pytest.mark.parametrize("path", ["streamed", "tiled"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_scales_either_side_of_the_fold(path, dtype):
+    """ue8m0 scales at both edges of the range the vdpbf16ps route folds into the codes (2^-63 .. 2^63) and past
+    them, mixed within rows; fp32 scales that are not powers of two; both against the golden, and ue8m0 against its
+    fp32 widening bit for bit (a power of two folds whichever type carries it)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+    N, K = 70, 512
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+    edges = torch.tensor([62, 63, 64, 65, 120, 127, 131, 189, 190, 191, 192], dtype=torch.uint8)
+    scale = edges[torch.randint(0, len(edges), (N, K // 32), generator=gen)]
+    x = torch.randn(5, K, generator=gen).to(dtype)
+    y = _run_fp4(path, x, codes, scale)
+    _check_fp4(y, x, codes, scale)
+    assert _same_bits(y, _run_fp4(path, x, codes, e8m0_to_float(scale)))
+    arbitrary = torch.rand(N, K // 32, generator=gen) * 4 + 0.01
+    _check_fp4(_run_fp4(path, x, codes, arbitrary), x, codes, arbitrary)
+
+
 def _same_bits(a, b) -> bool:
     """Bitwise equal (NaN where the other has NaN, its payload aside)."""
     a, b = a.float(), b.float()

@@ -67,6 +67,13 @@ struct QuantProblem {
     const uint32_t bits = e == 255 ? 0x7FC00000u : e == 0 ? 0x00400000u : e << 23;
     return __builtin_bit_cast(float, bits);
   }
+
+  // e where block i's scale is 2^(e - 127), a normal power of two given as ue8m0 or fp32 alike; else 0
+  uint32_t power_of_two_scale(int64_t i) const {
+    if (scale_e8m0) return scale_e8m0[i] == 255 ? 0 : scale_e8m0[i];
+    const uint32_t bits = __builtin_bit_cast(uint32_t, scale[i]);
+    return (bits & 0x807FFFFFu) == 0 && bits != 0x7F800000u ? bits >> 23 : 0;
+  }
 };
 
 // ---- streamed ----
@@ -269,15 +276,21 @@ alignas(64) constexpr uint16_t E2M1_TWICE_BF16[32] = {
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140,
     0x8000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0, 0xC100, 0xC140};
 
+// the scales (2^-63 .. 2^63: ue8m0 exponents, fp32 powers of two alike) that fold into the codes: the folded values stay normal bf16, and their
+// products with any x within 2^+-60 normal fp32 (vdpbf16ps reads and writes subnormals as zero, where the unfolded
+// route applies an extreme scale by an IEEE FMA).  Released checkpoints' scales lie far inside.
+constexpr uint32_t FOLD_EXP_LO = 127 - 63, FOLD_EXP_HI = 127 + 63;
+
 // MXFP4 codes with bf16 x on AVX512-BF16 CPUs: a scale group (32 codes, 16 bytes) to bf16 by vpermw -- a byte's two
-// nibbles are neighbouring weights, the very pair vdpbf16ps multiplies, so no shuffle -- then one vdpbf16ps per row
-// of x and one FMA for the group's scale.  The fp32 route spent ~10 instructions and two FMAs per 32 codes and read
-// 5-6 GB/s of MXFP4 weights on the AMX Xeon (25-29 % of its copy bandwidth).  Exact as the fp32 route: the values
-// are bf16 integers, their products with bf16 x exact in fp32.
+// nibbles are neighbouring weights, the very pair vdpbf16ps multiplies, so no shuffle -- the group's ue8m0 scale
+// added to their exponents, then one vdpbf16ps per row of x (else one more FMA per row for the scale).  The fp32
+// route spent ~10 instructions and two FMAs per 32 codes and read 5-6 GB/s of MXFP4 weights on the AMX Xeon (25-29 %
+// of its copy bandwidth).  Exact as the fp32 route: the values are bf16, their products with bf16 x exact in fp32.
 template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 void stream_rows_fp4_dpbf16(const QuantProblem& p, int64_t n0, int64_t n1) {
   const __m512i table = _mm512_load_si512(E2M1_TWICE_BF16), nibble = _mm512_set1_epi32(0xF);
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   const int64_t row_bytes = p.K / 2;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.codes + n * row_bytes;
@@ -289,12 +302,22 @@ void stream_rows_fp4_dpbf16(const QuantProblem& p, int64_t n0, int64_t n1) {
         _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_ROWS * row_bytes + g * 16), _MM_HINT_T0);
       const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
       const __m512i idx = _mm512_or_si512(_mm512_and_si512(d, nibble), _mm512_slli_epi32(_mm512_srli_epi32(d, 4), 16));
-      const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, table);
-      const __m512 s = _mm512_set1_ps(CODE_UNIT<Codes::FP4> * p.block_scale(srow + g));
-      for (int m = 0; m < MR; ++m) {
-        const __m512 prod = _mm512_dpbf16_ps(_mm512_setzero_ps(), w,
-                                             (__m512bh)_mm512_loadu_si512(p.xb + m * p.Kx + g * 32));
-        total[m] = _mm512_fmadd_ps(prod, s, total[m]);
+      const __m512i w = _mm512_permutexvar_epi16(idx, table);
+      const uint32_t e = p.power_of_two_scale(srow + g);
+      if (FOLD_EXP_LO <= e && e <= FOLD_EXP_HI) {
+        // the scale folded into the bf16 codes (their exponents raised by e - 128: x2^(e-127), /2); the zero codes
+        // keep their zero exponent
+        const __m512bh ws = (__m512bh)_mm512_mask_add_epi16(w, _mm512_test_epi16_mask(w, magnitude), w,
+                                                            _mm512_set1_epi16(static_cast<int16_t>((int(e) - 128) << 7)));
+        for (int m = 0; m < MR; ++m)
+          total[m] = _mm512_dpbf16_ps(total[m], ws, (__m512bh)_mm512_loadu_si512(p.xb + m * p.Kx + g * 32));
+      } else {                                           // (another scale, or an extreme one: an FMA applies it)
+        const __m512 s = _mm512_set1_ps(CODE_UNIT<Codes::FP4> * p.block_scale(srow + g));
+        for (int m = 0; m < MR; ++m) {
+          const __m512 prod = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w,
+                                               (__m512bh)_mm512_loadu_si512(p.xb + m * p.Kx + g * 32));
+          total[m] = _mm512_fmadd_ps(prod, s, total[m]);
+        }
       }
     }
     for (int m = 0; m < MR; ++m) p.y[m * p.N + n] = _mm512_reduce_add_ps(total[m]) + (p.bias ? p.bias[n] : 0.0f);
@@ -377,21 +400,102 @@ void decode_block(const uint8_t* codes, int64_t ldc, int64_t rows, int64_t len, 
   }
 }
 
-// e2m1 codes [rows, len] (len a multiple of 32) of K chunk [k0, k0 + len) -> value x its group's scale as mm_t:
-// exact (a value has 2 significant bits, a scale is a power of two) but past fp32's range
+#if DSATTN_X86
+// the e2m1 values (bit 3 the sign) as fp32, for vpermps
+alignas(64) constexpr float E2M1_FLOAT[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// fp32 lanes -> their bf16 bits rounded to nearest even, in the low (lo) and high (hi) halves of one dword: the pair
+// (lo, hi) as two neighbouring bf16.  Exact for value x power-of-two scale; rounds as static_cast otherwise (a NaN
+// to the quiet NaN, whatever its payload: adding the rounding bias to some would carry into the sign).
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512i bf16_rne_avx512(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)),
+                                     _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+}
+
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512i bf16_pairs_avx512(__m512 lo, __m512 hi) {
+  return _mm512_mask_blend_epi16(0x55555555u, bf16_rne_avx512(hi), _mm512_srli_epi32(bf16_rne_avx512(lo), 16));
+}
+
+// groups [g0, g0 + groups) of one row's codes -> value x the group's scale, 32 mm_t (fp32 or bf16) a group: the
+// 16 bytes widened to dwords, each nibble looked up by vpermps (it reads an index's low 4 bits: the low nibble as
+// it is), scaled, the two nibbles' values interleaved back into element order
 template <typename mm_t>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void fp4_groups_avx512(const QuantProblem& p,
+                                                                                       const uint8_t* codes, int64_t s0,
+                                                                                       int64_t groups, mm_t* out) {
+  const __m512 table = _mm512_load_ps(E2M1_FLOAT);
+  const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(8));
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16)));
+    const __m512 s = _mm512_set1_ps(p.block_scale(s0 + g));
+    const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(d, table), s);
+    const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table), s);
+    if constexpr (std::is_same_v<mm_t, float>) {
+      _mm512_storeu_ps(out + g * 32, _mm512_permutex2var_ps(lo, even, hi));
+      _mm512_storeu_ps(out + g * 32 + 16, _mm512_permutex2var_ps(lo, odd, hi));
+    } else {
+      _mm512_storeu_si512(out + g * 32, bf16_pairs_avx512(lo, hi));
+    }
+  }
+}
+
+// the same with AVX2, to fp32: 8 bytes at a time, the magnitude looked up (8 entries) and the sign put back
+__attribute__((target("avx2,fma"))) void fp4_groups_avx2(const QuantProblem& p, const uint8_t* codes, int64_t s0,
+                                                         int64_t groups, float* out) {
+  const __m256 table = _mm256_load_ps(E2M1_FLOAT);
+  const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 s = _mm256_set1_ps(p.block_scale(s0 + g));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + g * 16 + h * 8)));
+      const __m256i n[2] = {d, _mm256_srli_epi32(d, 4)};
+      __m256 v[2];
+      for (int j = 0; j < 2; ++j) {
+        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(n[j], eight), 28);
+        v[j] = _mm256_mul_ps(_mm256_or_ps(_mm256_permutevar8x32_ps(table, _mm256_and_si256(n[j], seven)),
+                                          _mm256_castsi256_ps(sign)), s);
+      }
+      const __m256 a = _mm256_unpacklo_ps(v[0], v[1]), b = _mm256_unpackhi_ps(v[0], v[1]);
+      _mm256_storeu_ps(out + g * 32 + h * 16, _mm256_permute2f128_ps(a, b, 0x20));
+      _mm256_storeu_ps(out + g * 32 + h * 16 + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+  }
+}
+#endif
+
+// e2m1 codes [rows, len] (len a multiple of 32) of K chunk [k0, k0 + len) -> value x its group's scale as mm_t (fp32,
+// or bf16 where every scale is a power of two: exact, a value has 2 significant bits), but past fp32's range
+template <typename mm_t>   // (float or c10::BFloat16)
 void decode_block_fp4(const QuantProblem& p, int64_t n0, int64_t rows, int64_t k0, int64_t len, int64_t ld, mm_t* out,
                       float* wide) {
   const int64_t groups = p.kblocks;
   for (int64_t i = 0; i < rows; ++i) {
     const uint8_t* row = p.codes + (n0 + i) * code_bytes<Codes::FP4>(p.K);
     const int64_t srow = (n0 + i) * groups;
-    for (int64_t k = 0; k < len; k += 32) {
-      const float s = 0.5f * p.block_scale(srow + (k0 + k) / 32);
-      for (int64_t j = k; j < k + 32; ++j) wide[j] = code_value_scaled<Codes::FP4>(row, k0 + j) * s;
-    }
     mm_t* dst = out + i * ld;
-    for (int64_t k = 0; k < len; ++k) dst[k] = static_cast<mm_t>(wide[k]);
+    bool done = false;
+#if DSATTN_X86
+    if (dsattn_native::isa_has(dsattn_native::ISA_AVX512)) {
+      fp4_groups_avx512(p, row + k0 / 2, srow + k0 / 32, len / 32, dst);
+      done = true;
+    } else if constexpr (std::is_same_v<mm_t, float>) {
+      if (dsattn_native::isa_has(dsattn_native::ISA_AVX2)) {
+        fp4_groups_avx2(p, row + k0 / 2, srow + k0 / 32, len / 32, dst);
+        done = true;
+      }
+    }
+#endif
+    if (!done) {
+      for (int64_t k = 0; k < len; k += 32) {
+        const float s = 0.5f * p.block_scale(srow + (k0 + k) / 32);
+        for (int64_t j = k; j < k + 32; ++j) wide[j] = code_value_scaled<Codes::FP4>(row, k0 + j) * s;
+      }
+      for (int64_t k = 0; k < len; ++k) dst[k] = static_cast<mm_t>(wide[k]);
+    }
     for (int64_t k = len; k < ld; ++k) dst[k] = mm_t(0);
   }
 }
@@ -454,6 +558,16 @@ void tiled(const QuantProblem& p, const scalar_t* x) {
   });
 }
 
+// whether every fp32 scale times an e2m1 value is exact in bf16: powers of two (subnormal ones too), zero, inf, NaN
+bool powers_of_two(const at::Tensor& scale) {
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(scale.data_ptr<float>());
+  for (int64_t i = 0, n = scale.numel(); i < n; ++i) {
+    const uint32_t e = (bits[i] >> 23) & 0xFF, m = bits[i] & 0x7FFFFF;
+    if (m != 0 && e != 255 && (e != 0 || (m & (m - 1)) != 0)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 // y = x W^T (+ bias) for W given as codes of ``format`` ("fp8": e4m3fn [N, K]; "fp4": e2m1 pairs [N, K / 2], K a
@@ -505,10 +619,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
       p.x = xf.data_ptr<float>();
     fp4 ? stream<Codes::FP4>(p) : stream<Codes::FP8>(p);
   } else {
+    // MXFP4 decodes value x scale into the GEMM's operand: in bf16 exact where every scale is a power of two
+    // (ue8m0 always; fp32 scales checked), else the operands stay fp32
+    const bool fp4_bf16 = fp4 && x.scalar_type() == at::kBFloat16 && (e8m0 || powers_of_two(scale));
     dsattn_native::dispatch_gemm(x.scalar_type(), [&](auto s, auto m) {
       using scalar_t = decltype(s);
+      using mm_t = decltype(m);
       const scalar_t* xp = reinterpret_cast<const scalar_t*>(x.data_ptr());
-      fp4 ? tiled<scalar_t, decltype(m), Codes::FP4>(p, xp) : tiled<scalar_t, decltype(m), Codes::FP8>(p, xp);
+      if (!fp4) return tiled<scalar_t, mm_t, Codes::FP8>(p, xp);
+      if constexpr (std::is_same_v<mm_t, c10::BFloat16>)
+        if (fp4_bf16) return tiled<scalar_t, mm_t, Codes::FP4>(p, xp);
+      tiled<scalar_t, float, Codes::FP4>(p, xp);
     });
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
