@@ -6,7 +6,8 @@ bf16 activations) on DeepSeek-V3.2 and V4-Flash layer shapes, side by side with 
 vLLM's kernel runs, it ends with the kernel the plug-in picks for each layer (``linear_choice``).
 
 Decode-shaped calls (M 1-8) report the weight bytes read a second against the copy bandwidth (each call reads
-another copy of the layer: the copies together exceed the last-level cache, as a model's layers do); prefill-shaped
+another copy of the layer: the copies together exceed the last-level cache, as a model's layers do) and against
+the roofline: at 8 rows of x the vector units, not memory, bound a 2-core CPU (M products a weight); prefill-shaped
 ones (M 256, 1024) report GFLOP/s against the GEMM ceiling of the path's operand type (bf16 where the class
 multiplies bf16, fp32 otherwise).  Peak RSS growth of one decode call shows no dequantised copy is made.
 
@@ -51,7 +52,23 @@ def ceilings():
     for dt in ((torch.bfloat16, torch.float32) if isa.bf16_units() else (torch.float32,)):
         a, b = torch.randn(2048, 2048).to(dt), torch.randn(2048, 2048).to(dt)
         out[dt] = 2 * 2048 ** 3 / best_of(lambda: a @ b, 10) / 1e9
+    # the vector units the streamed (decode) path multiplies on: dsattn's own GEMM in cache, one thread, times the
+    # threads -- vdpbf16ps for bf16 x where the CPU has it, fp32 FMAs otherwise
+    from dsattn import native
+    module = native.kernels()
+    path = "avx512bf16" if module.cpu_has_avx512bf16() else "fp32"
+    out["vector"] = (path, torch.get_num_threads() * module.gemm_gflops(path, 64, 64, 1024, 64))
     return out
+
+
+def best_ceilings(a, b):
+    return {k: max(a[k], b[k], key=lambda v: v[1] if isinstance(v, tuple) else v) for k in a}
+
+
+def decode_roofline(c, M: int, weight_bytes: float) -> float:
+    """The weight bytes a second a streamed call can reach at M rows of x: the copy bandwidth, or the vector units'
+    rate where M products a weight cost more (``weight_bytes``: bytes a weight, codes and scales)."""
+    return min(c["copy"], c["vector"][1] / 2 / M * weight_bytes)
 
 
 def peak_rss_mb() -> float:
@@ -89,14 +106,18 @@ def main() -> int:
     decode_m, prefill_m = ((1, 8), (256,)) if args.quick else (DECODE_M, PREFILL_M)
     own = isa.cpu_class()
     label = "" if isa.cpu_isa() == own else f" (emulated on {own}: which code runs, not its speed there)"
-    c = ceilings()
+    c = ceilings()          # (the header's; each layer's rows are set against ceilings measured beside them)
     gemm_dt = torch.bfloat16 if torch.bfloat16 in c else torch.float32
     print(f"python bench/fp8_linear.py{' --quick' if args.quick else ''}"
           f"{' --formats ' + args.formats if args.formats != 'fp8,mxfp4' else ''}  (DSATTN_CPU_ISA={isa.cpu_isa()}{label}, "
           f"{torch.get_num_threads()} threads)")
     print(f"copy bandwidth {c['copy']:.1f} GB/s (read + write, {STREAM_BYTES >> 20} MiB), read {c['read']:.1f} GB/s; "
           f"GEMM ceiling {c[gemm_dt]:.0f} GFLOP/s ({str(gemm_dt).split('.')[-1]} 2048^3)"
-          + (f", fp32 {c[torch.float32]:.0f}" if gemm_dt != torch.float32 else ""))
+          + (f", fp32 {c[torch.float32]:.0f}" if gemm_dt != torch.float32 else "")
+          + f"; decode's vector units ({c['vector'][0]}, in cache, x {torch.get_num_threads()} threads) "
+            f"{c['vector'][1]:.0f} GFLOP/s")
+    print("A decode row's roofline is the lower of the copy bandwidth and the weight bytes those vector units can "
+          "multiply into M rows of x a second.")
     theirs = vllm_kernel()
     print("\n| model | layer | N x K | M | dsattn (FP8 or MXFP4) | bf16 weight (x @ W.T) | " + ("vLLM fp8_scaled_mm_cpu | " if theirs else "")
           + "dsattn / ceiling |")
@@ -118,6 +139,8 @@ def main() -> int:
             scale = torch.rand(-(-N // 128), -(-K // 128), generator=g) * 1e-2
         dense = torch.randn(N, K, generator=g).to(torch.bfloat16)
         packed = [torch.ops._C.convert_weight_packed(cd) for cd in codes] if theirs and not mx else None
+        timed = []
+        before = ceilings()
         for M in decode_m + prefill_m:
             x = torch.randn(M, K, generator=g).to(torch.bfloat16)
             decode = M in decode_m
@@ -136,13 +159,20 @@ def main() -> int:
                     state["i"] = (state["i"] + 1) % copies if decode else 0
                     return theirs(x, packed[state["i"]], scale)
                 tv = best_of(vllms, 2 * copies if decode else 3)
+            timed.append((M, decode, t, td, tv))
+        # this layer's ceilings: the better of those measured just before and just after its rows (a neighbour's
+        # load on the host moves them within a run)
+        c = best_ceilings(before, ceilings())
+        for M, decode, t, td, tv in timed:
             if decode:
                 rate = lambda s: f"{nbytes / s / 1e9:.1f} GB/s"  # noqa: E731
-                share = f"{100 * nbytes / t / 1e9 / c['copy']:.0f} % of copy"
+                roof = decode_roofline(c, M, nbytes / (N * K))
+                share = (f"{100 * nbytes / t / 1e9 / c['copy']:.0f} % of copy ({c['copy']:.1f} GB/s), "
+                         f"{100 * nbytes / t / 1e9 / roof:.0f} % of roofline ({roof:.1f})")
                 bf16 = f"{td * 1e3:.2f} ms ({2 * N * K / td / 1e9:.1f} GB/s, cached)"
             else:
                 rate = lambda s: f"{2 * M * N * K / s / 1e9:.0f} GFLOP/s"  # noqa: E731
-                share = f"{100 * 2 * M * N * K / t / 1e9 / c[gemm_dt]:.0f} % of GEMM"
+                share = f"{100 * 2 * M * N * K / t / 1e9 / c[gemm_dt]:.0f} % of GEMM ({c[gemm_dt]:.0f} GFLOP/s)"
                 bf16 = f"{td * 1e3:.2f} ms ({rate(td)})"
             row = f"| {model} | {layer} | {N} x {K} | {M} | {t * 1e3:.2f} ms ({rate(t)}) | {bf16} | "
             if theirs:
