@@ -66,6 +66,9 @@ import torch
 
 from .. import ops
 from ..hyper_parallel import npu_sparse_flash_mla, npu_sparse_flash_mla_grad
+from . import transformers_dsa
+
+_SERVED = "DeepseekV4ForCausalLM, DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM"
 
 _ORIGINAL = "_dsattn_original_forward"
 _ROWS = "_dsattn_rows"                        # on a cache object: the per-row caches of a padded batch
@@ -111,14 +114,23 @@ def enable(model, indexer_kl_loss: bool = False, indexer_kl_weight: float = 1.0)
     indexer's parameters (its query projection, weight projection and compressor): the indexer's
     inputs are detached, and the main loss never reaches the indexer (its top-k is a selection)."""
     mods = _attention_modules(model)
-    if not mods:
-        raise ValueError("model: no DeepseekV4Attention module found; expected a transformers DeepSeek-V4 model")
+    family = None if mods else transformers_dsa.family_of(model)
+    if not mods and family is None:
+        raise ValueError(f"model: {type(model).__name__} has no attention module dsattn serves; expected a "
+                         f"transformers DeepSeek-V4 ({_SERVED})")
     if not isinstance(indexer_kl_weight, (int, float)) or isinstance(indexer_kl_weight, bool):
         raise TypeError(f"indexer_kl_weight: expected a float, got {type(indexer_kl_weight).__name__}")
+    if family is not None:
+        if indexer_kl_loss:
+            raise ValueError(f"indexer_kl_loss: True is served for DeepSeek-V4 only, not {type(model).__name__}")
+        transformers_dsa.check_config(model, family)
     register()
     if model.config._attn_implementation != "dsattn":
         model._dsattn_previous_attn = model.config._attn_implementation
         model.set_attn_implementation("dsattn")
+    if family is not None:
+        transformers_dsa.enable_modules(model, family, _ORIGINAL, _padded_model_forward)
+        return model
     csa_cls = _model_module().DeepseekV4CSACompressor
     for m in mods:
         if not hasattr(m, _ORIGINAL):
@@ -147,6 +159,9 @@ def disable(model):
     if previous is not None:
         model.set_attn_implementation(previous)
         del model._dsattn_previous_attn
+    family = transformers_dsa.family_of(model)
+    if family is not None:
+        transformers_dsa.disable_modules(model, family, _ORIGINAL)
     for m in _base_models(model):
         if hasattr(m, _ORIGINAL):
             m.forward = getattr(m, _ORIGINAL)
@@ -249,7 +264,8 @@ def _padded_model_forward(self, input_ids=None, attention_mask=None, position_id
         hidden = hidden.index_put((torch.full((n,), b, device=x.device), keep.nonzero()[:, 0]), h)
     if hidden is None:                               # (no row has a token in this call)
         hidden = torch.zeros(B, S, self.config.hidden_size, dtype=self.embed_tokens.weight.dtype, device=x.device)
-    return _model_module().MoeModelOutputWithPast(last_hidden_state=hidden, cache=cache)
+    import sys
+    return sys.modules[type(self).__module__].MoeModelOutputWithPast(last_hidden_state=hidden, cache=cache)
 
 
 def _compressed_entries(comp, hidden_states, cache_layer, name: str, head_dim: int, overlap: bool):

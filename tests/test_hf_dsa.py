@@ -1,0 +1,191 @@
+"""transformers' DSA models (DeepSeek-V3.2, GLM-5.x) on dsattn: tiny random configs at the real latent (512 + 64
+rope) and indexer (64 / 32 heads of 128) widths, built locally (no download), fresh per test, the dsattn-enabled
+model against the model's own eager attention."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.glm_moe_dsa")
+from transformers import (DeepseekV32Config, DeepseekV32ForCausalLM, DynamicCache, GlmMoeDsaConfig,  # noqa: E402
+                          GlmMoeDsaForCausalLM)
+
+from dsattn.integrations import transformers as dsattn_hf  # noqa: E402
+
+VOCAB = 97
+
+
+def _common(layers, topk):
+    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                num_hidden_layers=layers, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                topk_group=1, kv_lora_rank=512, q_lora_rank=48, qk_rope_head_dim=64, index_topk=topk,
+                index_head_dim=128, max_position_embeddings=4096, first_k_dense_replace=1,
+                attn_implementation="eager")
+
+
+def v32(layers=2, topk=32, seed=0, dtype=torch.float32):
+    """V3.2's attention widths but for the head count: latent 512 + rope 64, nope 128, v 128, indexer 64 x 128."""
+    cfg = DeepseekV32Config(**_common(layers, topk), num_attention_heads=4, num_key_value_heads=4,
+                            qk_nope_head_dim=128, v_head_dim=128, index_n_heads=64)
+    torch.manual_seed(seed)
+    return DeepseekV32ForCausalLM(cfg).to(dtype).eval()
+
+
+def glm5(indexer_types=("full", "shared", "full", "shared"), topk=32, seed=0, dtype=torch.float32):
+    """GLM-5's: nope 192, v 256, indexer 32 x 128 with interleaved rope, IndexShare layers."""
+    cfg = GlmMoeDsaConfig(**_common(len(indexer_types), topk), num_attention_heads=4, num_key_value_heads=4,
+                          qk_nope_head_dim=192, v_head_dim=256, index_n_heads=32, indexer_types=list(indexer_types))
+    torch.manual_seed(seed)
+    return GlmMoeDsaForCausalLM(cfg).to(dtype).eval()
+
+
+FAMILIES = {"v3.2": v32, "glm-5": glm5}
+
+
+def _ids(batch, length, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _both(model, fn):
+    """``fn(model)`` with the model's eager attention, then with dsattn (disabled afterwards)."""
+    want = fn(model)
+    dsattn_hf.enable(model)
+    try:
+        got = fn(model)
+    finally:
+        dsattn_hf.disable(model)
+    return want, got
+
+
+def _logits(ids, **kw):
+    def run(model):
+        with torch.no_grad():
+            return model(ids, use_cache=False, **kw).logits
+    return run
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("topk,length", [(32, 150), (512, 90)], ids=["top32-of-150", "top512-of-90"])
+def test_forward_matches_eager_fp32(family, topk, length):
+    want, got = _both(FAMILIES[family](topk=topk), _logits(_ids(2, length)))
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+
+
+def test_query_chunks_equal_one_call(monkeypatch):
+    """Queries in several sparse_flash_mla calls (each with its own visible bound) equal one call."""
+    from dsattn.integrations import transformers_dsa
+    model = dsattn_hf.enable(v32(topk=16))
+    ids = _ids(2, 100)
+    one = _logits(ids)(model)
+    monkeypatch.setattr(transformers_dsa, "QUERY_CHUNK", 17)
+    assert torch.allclose(_logits(ids)(model), one, rtol=1e-5, atol=1e-6)
+
+
+def test_index_share_layers_run_no_indexer(monkeypatch):
+    from dsattn.integrations import transformers_dsa
+    calls = []
+    real = transformers_dsa.indexer_topk
+    monkeypatch.setattr(transformers_dsa, "indexer_topk", lambda m, *a: calls.append(m.layer_idx) or real(m, *a))
+    model = dsattn_hf.enable(glm5(("full", "shared", "shared", "full", "shared")))
+    assert model.model.layers[1].self_attn.indexer is None
+    _logits(_ids(1, 60))(model)
+    assert calls == [0, 3]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_cache_matches_eager(family):
+    model = FAMILIES[family](topk=24)
+    ids = _ids(1, 40)
+
+    def gen(m):
+        with torch.no_grad():
+            return m.generate(ids, max_new_tokens=24, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+    want, got = _both(model, gen)
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(want.logits, got.logits)):
+        assert torch.allclose(b, a, rtol=1e-4, atol=1e-5), (step, (b - a).abs().max())
+
+
+def test_chunked_prefill_equals_one_shot():
+    model = dsattn_hf.enable(glm5(topk=16))
+    ids = _ids(2, 70)
+    with torch.no_grad():
+        one = model(ids, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        chunks = [model(ids[:, i:i + 25], cache=cache, use_cache=True).logits for i in range(0, 70, 25)]
+    assert torch.allclose(torch.cat(chunks, 1), one, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_gradients_match_eager(family):
+    """Every attention parameter with a gradient in the eager model (the projections, norms, ``kv_b_proj``
+    absorbed into the query and the output) gets the same one through sparse_flash_mla's backward; the indexer
+    only selects, in both."""
+    model = FAMILIES[family](topk=24).train()
+    ids = _ids(2, 80)
+
+    def grads(m):
+        m.zero_grad()
+        m(ids, labels=ids, use_cache=False).loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None and "self_attn" in n}
+    want, got = _both(model, grads)
+    assert set(got) == set(want) and any("kv_b_proj" in n for n in want)
+    for name, g in want.items():
+        assert torch.allclose(got[name], g, rtol=1e-4, atol=1e-4 * g.abs().max().item()), name
+
+
+def _padded(prompts, side: str, pad_id: int = 0):
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), L, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        cols = slice(L - len(p), L) if side == "left" else slice(0, len(p))
+        ids[i, cols], mask[i, cols] = p, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_batch_gives_each_row_its_prompt_alone(family, side):
+    model = dsattn_hf.enable(FAMILIES[family](topk=16))
+    prompts = [_ids(1, n, seed=10 + i)[0] for i, n in enumerate([50, 31, 7])]
+    ids, mask = _padded(prompts, side)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=False).logits
+        for i, p in enumerate(prompts):
+            alone = model(p[None], use_cache=False).logits[0]
+            assert torch.allclose(out[i, mask[i].bool()], alone, rtol=1e-5, atol=1e-5), i
+
+
+def test_bf16_is_as_close_to_fp32_as_eager_bf16():
+    ids = _ids(1, 120)
+    truth = _logits(ids)(glm5(topk=32))
+    want, got = _both(glm5(topk=32, dtype=torch.bfloat16), _logits(ids))
+    err_eager, err_dsattn = (want.float() - truth).abs(), (got.float() - truth).abs()
+    assert err_dsattn.max() <= 1.25 * err_eager.max(), (err_dsattn.max(), err_eager.max())
+    assert err_dsattn.mean() <= 1.25 * err_eager.mean(), (err_dsattn.mean(), err_eager.mean())
+
+
+def test_configs_it_cannot_serve_raise_before_any_weight_is_touched():
+    model = glm5(("shared", "full"))
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"^config\.indexer_types: the first layer is 'shared'"):
+        dsattn_hf.enable(model)
+    assert model.config._attn_implementation == "eager"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match=r"^indexer_kl_loss: True is served for DeepSeek-V4 only"):
+        dsattn_hf.enable(v32(), indexer_kl_loss=True)
+    with pytest.raises(ValueError, match=r"^model: Linear has no attention module dsattn serves"):
+        dsattn_hf.enable(torch.nn.Linear(2, 2))
+
+
+def test_disable_restores_the_model():
+    model = v32()
+    ids = _ids(1, 50)
+    want = _logits(ids)(model)
+    dsattn_hf.enable(model)
+    dsattn_hf.disable(model)
+    attn = model.model.layers[0].self_attn
+    assert not hasattr(attn, "_dsattn_original_forward") and not hasattr(model.model, "_dsattn_original_forward")
+    assert model.config._attn_implementation == "eager"
+    assert torch.equal(_logits(ids)(model), want)
