@@ -38,7 +38,30 @@ def glm5(indexer_types=("full", "shared", "full", "shared"), topk=32, seed=0, dt
     return GlmMoeDsaForCausalLM(cfg).to(dtype).eval()
 
 
-FAMILIES = {"v3.2": v32, "glm-5": glm5}
+def glm5_flash(layer_types=("linear_attention", "indexed_attention", "indexed_attention", "linear_attention"),
+               indexer_types=("full", "full", "shared", "full"), topk=48, kpool=16, seed=0, dtype=torch.float32):
+    """GLM-5.3-Flash's sparse layers (no rope, latent 512, nope 256, v 256, indexer 32 x 128 over pools of 16
+    tokens, the open tail always kept) between KDA linear-attention layers (left to transformers)."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=48, qk_nope_head_dim=256,
+                v_head_dim=256, index_topk=topk, index_head_dim=128, index_n_heads=32, index_kpool=kpool,
+                layer_types=list(layer_types), indexer_types=list(indexer_types), linear_head_dim=16,
+                linear_num_heads=4, hc_mult=2, max_position_embeddings=4096, pad_token_id=0)
+    cfg = Glm5NextConfig(text_config=text, vision_config=dict(depth=1, hidden_size=32, num_heads=2,
+                                                              intermediate_size=32, out_hidden_size=64))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Glm5NextForConditionalGeneration(cfg).to(dtype).eval()
+    with torch.no_grad():                # (the init gives every token of a pool the same gate: a test of nothing)
+        for name, p in model.named_parameters():
+            if "index_kpool" in name:
+                p.normal_()
+    return model
+
+
+FAMILIES = {"v3.2": v32, "glm-5": glm5, "glm-5.3-flash": glm5_flash}
 
 
 def _ids(batch, length, seed=1):
@@ -59,15 +82,35 @@ def _both(model, fn):
 def _logits(ids, **kw):
     def run(model):
         with torch.no_grad():
-            return model(ids, use_cache=False, **kw).logits
+            return model(input_ids=ids, use_cache=False, **kw).logits
     return run
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("topk,length", [(32, 150), (512, 90)], ids=["top32-of-150", "top512-of-90"])
 def test_forward_matches_eager_fp32(family, topk, length):
+    """Selection at the boundary (top-32 of 150 keys; GLM-5.3-Flash: 2 of 9 pools and the tail) and every key."""
     want, got = _both(FAMILIES[family](topk=topk), _logits(_ids(2, length)))
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+
+
+def test_kpool_list_is_pools_then_the_open_tail():
+    """GLM-5.3-Flash's list: whole pools of 16 whose last token the query sees, then its own incomplete pool."""
+    from dsattn.integrations import transformers_dsa
+    model = glm5_flash(topk=32)
+    attn = model.model.language_model.layers[1].self_attn
+    h = torch.randn(1, 70, 64)
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(h))
+    idx = transformers_dsa.kpool_topk(attn.indexer, h, q_resid, None, None)[0, :, 0]
+    assert idx.shape == (70, 32 + 15)
+    for p in (0, 14, 15, 16, 40, 63, 69):
+        got = idx[p][idx[p] >= 0].tolist()
+        pools = (p + 1) // 16
+        tail = list(range(pools * 16, p + 1))
+        assert got[len(got) - len(tail):] == tail, p
+        chosen = sorted({t // 16 for t in got[:len(got) - len(tail)]})
+        assert len(chosen) == min(pools, 2) and all(c < pools for c in chosen), p
+        assert sorted(got[:len(got) - len(tail)]) == [c * 16 + j for c in chosen for j in range(16)], p
 
 
 def test_query_chunks_equal_one_call(monkeypatch):
@@ -93,8 +136,8 @@ def test_index_share_layers_run_no_indexer(monkeypatch):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_with_cache_matches_eager(family):
-    model = FAMILIES[family](topk=24)
-    ids = _ids(1, 40)
+    model = FAMILIES[family](topk=32)
+    ids = _ids(1, 60)
 
     def gen(m):
         with torch.no_grad():
@@ -121,12 +164,12 @@ def test_training_gradients_match_eager(family):
     """Every attention parameter with a gradient in the eager model (the projections, norms, ``kv_b_proj``
     absorbed into the query and the output) gets the same one through sparse_flash_mla's backward; the indexer
     only selects, in both."""
-    model = FAMILIES[family](topk=24).train()
+    model = FAMILIES[family](topk=32).train()
     ids = _ids(2, 80)
 
     def grads(m):
         m.zero_grad()
-        m(ids, labels=ids, use_cache=False).loss.backward()
+        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None and "self_attn" in n}
     want, got = _both(model, grads)
     assert set(got) == set(want) and any("kv_b_proj" in n for n in want)
@@ -148,12 +191,12 @@ def _padded(prompts, side: str, pad_id: int = 0):
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_a_padded_batch_gives_each_row_its_prompt_alone(family, side):
     model = dsattn_hf.enable(FAMILIES[family](topk=16))
-    prompts = [_ids(1, n, seed=10 + i)[0] for i, n in enumerate([50, 31, 7])]
+    prompts = [_ids(1, n, seed=10 + i)[0] for i, n in enumerate([50, 31, 7])]   # (GLM-5.3-Flash: 16 = one pool)
     ids, mask = _padded(prompts, side)
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, use_cache=False).logits
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         for i, p in enumerate(prompts):
-            alone = model(p[None], use_cache=False).logits[0]
+            alone = model(input_ids=p[None], use_cache=False).logits[0]
             assert torch.allclose(out[i, mask[i].bool()], alone, rtol=1e-5, atol=1e-5), i
 
 
@@ -177,6 +220,9 @@ def test_configs_it_cannot_serve_raise_before_any_weight_is_touched():
         dsattn_hf.enable(v32(), indexer_kl_loss=True)
     with pytest.raises(ValueError, match=r"^model: Linear has no attention module dsattn serves"):
         dsattn_hf.enable(torch.nn.Linear(2, 2))
+    flash = glm5_flash(("indexed_attention", "linear_attention", "indexed_attention"), ("full", "full", "shared"))
+    with pytest.raises(ValueError, match=r"^config\.indexer_types: layer 2 is 'shared' but layer 1 is not a full"):
+        dsattn_hf.enable(flash)
 
 
 def test_disable_restores_the_model():

@@ -68,7 +68,7 @@ from .. import ops
 from ..hyper_parallel import npu_sparse_flash_mla, npu_sparse_flash_mla_grad
 from . import transformers_dsa
 
-_SERVED = "DeepseekV4ForCausalLM, DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM"
+_SERVED = "DeepseekV4ForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM or Glm5NextForConditionalGeneration"
 
 _ORIGINAL = "_dsattn_original_forward"
 _ROWS = "_dsattn_rows"                        # on a cache object: the per-row caches of a padded batch
@@ -117,7 +117,7 @@ def enable(model, indexer_kl_loss: bool = False, indexer_kl_weight: float = 1.0)
     family = None if mods else transformers_dsa.family_of(model)
     if not mods and family is None:
         raise ValueError(f"model: {type(model).__name__} has no attention module dsattn serves; expected a "
-                         f"transformers DeepSeek-V4 ({_SERVED})")
+                         f"transformers DeepSeek-V4, V3.2, GLM-5.x or GLM-5.3-Flash model ({_SERVED})")
     if not isinstance(indexer_kl_weight, (int, float)) or isinstance(indexer_kl_weight, bool):
         raise TypeError(f"indexer_kl_weight: expected a float, got {type(indexer_kl_weight).__name__}")
     if family is not None:
@@ -125,7 +125,9 @@ def enable(model, indexer_kl_loss: bool = False, indexer_kl_weight: float = 1.0)
             raise ValueError(f"indexer_kl_loss: True is served for DeepSeek-V4 only, not {type(model).__name__}")
         transformers_dsa.check_config(model, family)
     register()
-    if model.config._attn_implementation != "dsattn":
+    # (GLM-5.3-Flash builds no dense [S, T] mask at the model level -- its attention builds it from the list, which
+    # dsattn's forward replaces -- and its vision tower keeps its own attention)
+    if model.config._attn_implementation != "dsattn" and family != "glm5_next":
         model._dsattn_previous_attn = model.config._attn_implementation
         model.set_attn_implementation("dsattn")
     if family is not None:

@@ -45,12 +45,15 @@ QUERY_CHUNK = 2048                     # query rows a sparse_flash_mla call take
 _SKIP = torch.iinfo(torch.int32).max   # a list slot the walk skips (past any visible bound)
 
 
-# family: (transformers module, attention class, base model class, indexer ropes interleaved, forward returns top-k)
+# family: (transformers module, attention class, base model class, indexer rope interleaved (None: no rope),
+#          the attention forward)
 FAMILIES = {
     "deepseek_v32": ("transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32Attention",
-                     "DeepseekV32Model", False, False),
+                     "DeepseekV32Model", False, "v32"),
     "glm_moe_dsa": ("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaAttention",
-                    "GlmMoeDsaModel", True, True),
+                    "GlmMoeDsaModel", True, "glm"),
+    "glm5_next": ("transformers.models.glm5_next.modeling_glm5_next", "Glm5NextTextAttention",
+                  "Glm5NextTextModel", None, "glm5_next"),
 }
 
 
@@ -82,7 +85,7 @@ def base_models(model, family):
 
 def check_config(model, family) -> None:
     """What the dsattn path assumes of the config, checked before any weight is touched."""
-    cfg = model.config
+    cfg = getattr(model.config, "text_config", model.config)
     if getattr(cfg, "q_lora_rank", None) is None:
         raise ValueError(f"config.q_lora_rank: None (no q LoRA) is not supported by dsattn's {family} attention; "
                          "every released DSA model has one")
@@ -94,12 +97,26 @@ def check_config(model, family) -> None:
         if types and types[0] != "full":
             raise ValueError(f"config.indexer_types: the first layer is {types[0]!r}; a shared layer needs a full "
                              "layer before it")
+    if family == "glm5_next":
+        text = cfg
+        layers, types = list(text.layer_types), list(text.indexer_types)
+        for i, (kind, share) in enumerate(zip(layers, types)):
+            if kind == "indexed_attention" and share == "shared" and \
+                    (i == 0 or layers[i - 1] != "indexed_attention" or types[i - 1] != "full"):
+                raise ValueError(f"config.indexer_types: layer {i} is 'shared' but layer {i - 1} is not a full "
+                                 "indexed-attention layer (its list would not reach it)")
+        if text.qk_rope_head_dim != 0:
+            raise ValueError(f"config.qk_rope_head_dim: {text.qk_rope_head_dim}; GLM-5.3-Flash's sparse layers have "
+                             "no rope (0)")
+        if text.index_topk < text.index_kpool:
+            raise ValueError(f"config.index_topk: {text.index_topk} selects no pool of index_kpool "
+                             f"{text.index_kpool} tokens")
 
 
 def enable_modules(model, family, forward_key: str, padded_forward) -> None:
     """Swap the attention and base-model forwards (keeping the originals under ``forward_key``)."""
     import types
-    forward = _glm_forward if FAMILIES[family][4] else _v32_forward
+    forward = {"v32": _v32_forward, "glm": _glm_forward, "glm5_next": _glm5_next_forward}[FAMILIES[family][4]]
     for m in attention_modules(model, family):
         if not hasattr(m, forward_key):
             setattr(m, forward_key, m.forward)
@@ -146,6 +163,53 @@ def indexer_topk(module, indexer, hidden_states, q_resid, position_embeddings, c
     return idx
 
 
+def kpool_topk(indexer, hidden_states, q_resid, attention_mask, cache):
+    """GLM-5.3-Flash's list ``[B, S, 1, K]`` (K = ``index_topk`` rounded down to pools, plus ``index_kpool - 1``
+    tail slots; the valid token positions first, -1 after): each ``index_kpool`` tokens pooled by the gated
+    softmax over their gate scores plus the position embedding (the model's pooling, elementwise on its cached
+    keys and gates), the complete pools whose last token the query sees ranked by ``lightning_indexer``
+    (``cmp_ratio`` = the pool, ``mask_mode`` 3: pool j is visible from position p iff (j + 1) · pool <= p + 1),
+    the ``index_topk // index_kpool`` best expanded to their tokens, then the open tail (the query's incomplete
+    pool) appended.  Rows run alone (padded batches are split into their rows), so pooling starts at token 0."""
+    B, S, _ = hidden_states.shape
+    D, r = indexer.head_dim, indexer.index_kpool
+    with torch.no_grad():
+        q = indexer.wq_b(q_resid).view(B, S, -1, D)
+        k = indexer.k_norm(indexer.wk(hidden_states)).view(B, S, D)
+        gate = torch.nn.functional.linear(hidden_states, indexer.index_kpool_compress_gate)
+        valid = (torch.ones(B, S, dtype=k.dtype, device=k.device) if attention_mask is None
+                 else attention_mask.to(k.dtype))[..., None]
+        packed = torch.cat([k, gate, valid], dim=-1)          # (the model's cache layout: eager can continue it)
+        if cache is not None:
+            packed = cache.update_indexer(packed, indexer.layer_idx)
+        T = packed.shape[1]
+        P = T // r
+        keys = packed[:, :P * r, :D].view(B, P, r, D)
+        logits = packed[:, :P * r, D:2 * D].view(B, P, r, D).float() + indexer.index_kpool_compress_ape.float()
+        pooled = (logits.softmax(dim=2).to(keys.dtype) * keys).sum(dim=2)          # [B, P, D]
+        w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+        w = w * (indexer.n_heads ** -0.5 * indexer.softmax_scale)
+        kp = indexer.index_topk // r
+        if P > 0:
+            pools, _ = ops.lightning_indexer(q.float().contiguous(), pooled.float().unsqueeze(2).contiguous(),
+                                             w.contiguous(), kp, mask_mode=3, cmp_ratio=r,
+                                             cmp_residual_k=torch.full((B,), T % r, dtype=torch.int32,
+                                                                       device=q.device))
+        else:
+            pools = torch.full((B, S, 1, kp), -1, dtype=torch.int32, device=q.device)
+        pools = pools.to(torch.int64)
+        span = torch.arange(r, device=q.device)
+        tokens = torch.where(pools[..., None] >= 0, pools[..., None] * r + span, -1).flatten(-2)   # [B, S, 1, kp·r]
+        if indexer.index_kpool_always_select_tail and r > 1:
+            p = torch.arange(T - S, T, device=q.device)
+            count = (p + 1) % r
+            tail = (p + 1 - count)[:, None] + span[:-1]
+            tail = torch.where(span[:-1] < count[:, None], tail, -1)
+            tokens = torch.cat([tokens, tail[None, :, None].expand(B, S, 1, r - 1)], dim=-1)
+        order = torch.sort((tokens < 0).to(torch.int8), dim=-1, stable=True).indices   # (-1 ends a list)
+        return tokens.gather(-1, order).to(torch.int32)
+
+
 # ---- the attention ----
 
 def _own_key_first(idx, kv, positions):
@@ -190,8 +254,9 @@ def sparse_mla(module, q_pass, q_rot, k_pass, k_rot, idx):
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 
-def _attention(self, hidden_states, position_embeddings, cache, prev_topk_indices):
-    """(output before ``o_proj`` ``[B, S, H · v]``, the layer's list)."""
+def _attention(self, hidden_states, position_embeddings, cache, prev_topk_indices, attention_mask=None):
+    """(output before ``o_proj`` ``[B, S, H · v]``, the layer's list); ``position_embeddings`` None: no rope
+    (GLM-5.3-Flash)."""
     M = _module(self._dsattn_family)
     B, S = hidden_states.shape[:2]
     q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
@@ -201,12 +266,15 @@ def _attention(self, hidden_states, position_embeddings, cache, prev_topk_indice
                                  dim=-1)
     k_pass = self.kv_a_layernorm(kv_pass).view(B, 1, S, self.kv_lora_rank)
     k_rot = k_rot.view(B, 1, S, self.qk_rope_head_dim)
-    cos, sin = position_embeddings
-    q_rot, k_rot = M.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)       # (the model's own rope)
+    if position_embeddings is not None:
+        cos, sin = position_embeddings
+        q_rot, k_rot = M.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)   # (the model's own rope)
     if cache is not None:
         k_pass, k_rot = cache.update(k_pass, k_rot, self.layer_idx)
     indexer = getattr(self, "indexer", None)
-    if indexer is not None:
+    if indexer is not None and position_embeddings is None:
+        idx = kpool_topk(indexer, hidden_states, q_resid, attention_mask, cache)
+    elif indexer is not None:
         idx = indexer_topk(self, indexer, hidden_states, q_resid, position_embeddings, cache)
     elif prev_topk_indices is None:
         raise ValueError("prev_topk_indices: a shared DSA layer needs the list of a full indexer layer before it")
@@ -231,3 +299,12 @@ def _glm_forward(self, hidden_states, position_embeddings, attention_mask=None, 
     out, idx = _attention(self, hidden_states, position_embeddings,
                           cache if cache is not None else past_key_values, prev_topk_indices)
     return self.o_proj(out), None, idx
+
+
+def _glm5_next_forward(self, hidden_states, attention_mask=None, cache=None, prev_topk_indices=None,
+                       past_key_values=None, **kwargs):
+    """Glm5NextTextAttention.forward on dsattn's operators (no rope; KPool indexer); as the model, returns its list
+    only when the next layer shares it."""
+    out, idx = _attention(self, hidden_states, None, cache if cache is not None else past_key_values,
+                          prev_topk_indices, attention_mask)
+    return self.o_proj(out), None, idx if self.next_skip_topk else None
