@@ -10,6 +10,7 @@ from transformers import (DeepseekV32Config, DeepseekV32ForCausalLM, DynamicCach
                           GlmMoeDsaForCausalLM)
 
 from dsattn.integrations import transformers as dsattn_hf  # noqa: E402
+from hf_common import assert_generate_matches_eager, both, padded  # noqa: E402
 
 VOCAB = 97
 
@@ -68,17 +69,6 @@ def _ids(batch, length, seed=1):
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _both(model, fn):
-    """``fn(model)`` with the model's eager attention, then with dsattn (disabled afterwards)."""
-    want = fn(model)
-    dsattn_hf.enable(model)
-    try:
-        got = fn(model)
-    finally:
-        dsattn_hf.disable(model)
-    return want, got
-
-
 def _logits(ids, **kw):
     def run(model):
         with torch.no_grad():
@@ -90,7 +80,7 @@ def _logits(ids, **kw):
 @pytest.mark.parametrize("topk,length", [(32, 150), (512, 90)], ids=["top32-of-150", "top512-of-90"])
 def test_forward_matches_eager_fp32(family, topk, length):
     """Selection at the boundary (top-32 of 150 keys; GLM-5.3-Flash: 2 of 9 pools and the tail) and every key."""
-    want, got = _both(FAMILIES[family](topk=topk), _logits(_ids(2, length)))
+    want, got = both(FAMILIES[family](topk=topk), _logits(_ids(2, length)))
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
 
 
@@ -136,17 +126,7 @@ def test_index_share_layers_run_no_indexer(monkeypatch):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_with_cache_matches_eager(family):
-    model = FAMILIES[family](topk=32)
-    ids = _ids(1, 60)
-
-    def gen(m):
-        with torch.no_grad():
-            return m.generate(ids, max_new_tokens=24, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
-    want, got = _both(model, gen)
-    assert torch.equal(got.sequences, want.sequences)
-    for step, (a, b) in enumerate(zip(want.logits, got.logits)):
-        assert torch.allclose(b, a, rtol=1e-4, atol=1e-5), (step, (b - a).abs().max())
+    assert_generate_matches_eager(FAMILIES[family](topk=32), _ids(1, 60), 24)
 
 
 def test_chunked_prefill_equals_one_shot():
@@ -171,20 +151,10 @@ def test_training_gradients_match_eager(family):
         m.zero_grad()
         m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None and "self_attn" in n}
-    want, got = _both(model, grads)
+    want, got = both(model, grads)
     assert set(got) == set(want) and any("kv_b_proj" in n for n in want)
     for name, g in want.items():
         assert torch.allclose(got[name], g, rtol=1e-4, atol=1e-4 * g.abs().max().item()), name
-
-
-def _padded(prompts, side: str, pad_id: int = 0):
-    L = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), L, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        cols = slice(L - len(p), L) if side == "left" else slice(0, len(p))
-        ids[i, cols], mask[i, cols] = p, 1
-    return ids, mask
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -192,7 +162,7 @@ def _padded(prompts, side: str, pad_id: int = 0):
 def test_a_padded_batch_gives_each_row_its_prompt_alone(family, side):
     model = dsattn_hf.enable(FAMILIES[family](topk=16))
     prompts = [_ids(1, n, seed=10 + i)[0] for i, n in enumerate([50, 31, 7])]   # (GLM-5.3-Flash: 16 = one pool)
-    ids, mask = _padded(prompts, side)
+    ids, mask = padded(prompts, side)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         for i, p in enumerate(prompts):
@@ -203,7 +173,7 @@ def test_a_padded_batch_gives_each_row_its_prompt_alone(family, side):
 def test_bf16_is_as_close_to_fp32_as_eager_bf16():
     ids = _ids(1, 120)
     truth = _logits(ids)(glm5(topk=32))
-    want, got = _both(glm5(topk=32, dtype=torch.bfloat16), _logits(ids))
+    want, got = both(glm5(topk=32, dtype=torch.bfloat16), _logits(ids))
     err_eager, err_dsattn = (want.float() - truth).abs(), (got.float() - truth).abs()
     assert err_dsattn.max() <= 1.25 * err_eager.max(), (err_dsattn.max(), err_eager.max())
     assert err_dsattn.mean() <= 1.25 * err_eager.mean(), (err_dsattn.mean(), err_eager.mean())

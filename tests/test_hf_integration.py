@@ -7,6 +7,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache  # noqa: E402
 
 from dsattn.integrations import transformers as dsattn_hf  # noqa: E402
+from hf_common import assert_generate_matches_eager, both, padded  # noqa: E402
 
 HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
 
@@ -34,17 +35,6 @@ def _ids(batch, length, seed=1):
     return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _both(model, fn):
-    """``fn(model)`` with the model's eager attention, then with dsattn (left disabled afterwards)."""
-    want = fn(model)
-    dsattn_hf.enable(model)
-    try:
-        got = fn(model)
-    finally:
-        dsattn_hf.disable(model)
-    return want, got
-
-
 def _logits(ids):
     def run(model):
         with torch.no_grad():
@@ -61,7 +51,7 @@ def _logits(ids):
 ], ids=["SWA", "HCA", "CSA-top8", "CSA-top512", "mixed-wide-window"])
 def test_single_forward_matches_eager_fp32(layers, window, topk):
     model = tiny(layers, window=window, topk=topk)
-    want, got = _both(model, _logits(_ids(2, 300)))
+    want, got = both(model, _logits(_ids(2, 300)))
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
 
 
@@ -72,24 +62,14 @@ def test_bf16_forward_is_as_close_to_fp32_as_eager_bf16():
     dsattn's bf16 logits are no further off than eager's bf16 logits (max and mean error, 25 % margin)."""
     ids = _ids(1, 300)
     truth = _logits(ids)(tiny((HCA, CSA)))
-    want, got = _both(tiny((HCA, CSA), dtype=torch.bfloat16), _logits(ids))
+    want, got = both(tiny((HCA, CSA), dtype=torch.bfloat16), _logits(ids))
     err_eager, err_dsattn = (want.float() - truth).abs(), (got.float() - truth).abs()
     assert err_dsattn.max() <= 1.25 * err_eager.max(), (err_dsattn.max(), err_eager.max())
     assert err_dsattn.mean() <= 1.25 * err_eager.mean(), (err_dsattn.mean(), err_eager.mean())
 
 
 def test_generate_with_cache_matches_eager():
-    model = tiny((SWA, HCA, CSA))
-    ids = _ids(1, 70)
-
-    def gen(m):
-        with torch.no_grad():
-            return m.generate(ids, max_new_tokens=32, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
-    want, got = _both(model, gen)
-    assert torch.equal(got.sequences, want.sequences)
-    for step, (a, b) in enumerate(zip(want.logits, got.logits)):
-        assert torch.allclose(b, a, rtol=1e-4, atol=1e-5), (step, (b - a).abs().max())
+    assert_generate_matches_eager(tiny((SWA, HCA, CSA)), _ids(1, 70), 32)
 
 
 def test_chunked_prefill_equals_one_shot():
@@ -131,21 +111,10 @@ def test_training_gradients_match_eager():
         m.zero_grad()
         m(ids, labels=ids, use_cache=False).loss.backward()
         return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None and "self_attn" in n}
-    want, got = _both(model, grads)
+    want, got = both(model, grads)
     assert set(got) == set(want) and any("sinks" in n for n in want) and any("compressor" in n for n in want)
     for name, g in want.items():
         assert torch.allclose(got[name], g, rtol=1e-4, atol=1e-4 * g.abs().max().item()), name
-
-
-def _padded(prompts, side: str, pad_id: int = 0):
-    """A batch of prompts padded to the longest on ``side`` -> (ids, attention_mask)."""
-    L = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), L, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        cols = slice(L - len(p), L) if side == "left" else slice(0, len(p))
-        ids[i, cols], mask[i, cols] = p, 1
-    return ids, mask
 
 
 def _prompts(lengths, seed=10):
@@ -157,7 +126,7 @@ def _prompts(lengths, seed=10):
 def test_a_padded_batch_gives_each_row_its_prompt_alone(side, dtype):
     model = dsattn_hf.enable(tiny((SWA, HCA, CSA), dtype=dtype))
     prompts = _prompts([70, 41, 9, 55])
-    ids, mask = _padded(prompts, side)
+    ids, mask = padded(prompts, side)
     with torch.no_grad():
         out = model(ids, attention_mask=mask, use_cache=False).logits
         for i, p in enumerate(prompts):
@@ -172,7 +141,7 @@ def test_a_padded_batch_gives_each_row_its_prompt_alone(side, dtype):
 def test_greedy_generate_on_a_left_padded_batch_gives_each_prompt_its_own_tokens():
     model = dsattn_hf.enable(tiny((SWA, HCA, CSA)))
     prompts = _prompts([70, 41, 9, 55], seed=30)
-    ids, mask = _padded(prompts, "left")
+    ids, mask = padded(prompts, "left")
     with torch.no_grad():
         batch = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
         for i, p in enumerate(prompts):
@@ -188,7 +157,7 @@ def test_training_on_a_right_padded_batch_is_its_rows_trained_alone():
     so are the gradients."""
     model = dsattn_hf.enable(tiny((HCA, CSA)).train())
     prompts = _prompts([40, 23, 31], seed=50)
-    ids, mask = _padded(prompts, "right")
+    ids, mask = padded(prompts, "right")
     labels = ids.masked_fill(mask == 0, -100)
     model.zero_grad()
     loss = model(ids, attention_mask=mask, labels=labels, use_cache=False).loss
@@ -211,7 +180,7 @@ def test_training_on_a_right_padded_batch_is_its_rows_trained_alone():
 
 def test_a_padded_cache_serves_its_batch_only():
     model = dsattn_hf.enable(tiny((HCA,)))
-    ids, mask = _padded(_prompts([20, 12]), "left")
+    ids, mask = padded(_prompts([20, 12]), "left")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)

@@ -1,4 +1,5 @@
-"""Hugging Face transformers' DeepSeek-V4 on dsattn's sparse operators (issue 14).
+"""Hugging Face transformers' DeepSeek-V4 on dsattn's sparse operators (the DSA models, DeepSeek-V3.2 and the
+GLM-5 family, in :mod:`dsattn.integrations.transformers_dsa`).
 
     model = DeepseekV4ForCausalLM.from_pretrained(path)
     dsattn.integrations.transformers.enable(model)
@@ -104,7 +105,9 @@ def _not_enabled(module, *args, **kwargs):
 
 
 def enable(model, indexer_kl_loss: bool = False, indexer_kl_weight: float = 1.0):
-    """Run every DeepseekV4Attention of ``model`` on dsattn's sparse operators; returns ``model``.
+    """Run every DeepseekV4Attention of ``model`` on dsattn's sparse operators; returns ``model``.  On a
+    DeepSeek-V3.2, GLM-5.x or GLM-5.3-Flash model its sparse attention layers instead
+    (:mod:`dsattn.integrations.transformers_dsa`).
 
     ``indexer_kl_loss``: in forward passes with autograd on, every CSA layer also computes the
     indexer's auxiliary KL loss of spec 10 §2.5 / §3 against the attention's own probabilities at the
