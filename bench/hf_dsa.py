@@ -10,6 +10,7 @@ its dense score tensors fit the memory budget; elsewhere the row says how much t
 ``--check N`` compares the last position's logits of eager and dsattn on an N-token prompt.
 
     .venv/bin/python bench/hf_dsa.py [--families v3.2,glm-5,glm-5.3-flash] [--lengths 8192,32768] [--check 4096]
+                                     [--decode 16]
 """
 from __future__ import annotations
 
@@ -94,6 +95,34 @@ def child(family: str, S: int, path: str, out: str, dtype: str) -> None:
     print(json.dumps({"seconds": seconds, "peak_gb": peak_rss_gb()}))
 
 
+def decode_child(family: str, S: int, steps: int, out: str) -> None:
+    """A prompt of S tokens prefilled with dsattn into the model's cache, then ``steps`` greedy decode steps twice
+    from copies of that cache: with dsattn, and with the model's eager attention (its decode step is small in
+    memory -- one query row -- but expands every cached latent through ``kv_b_proj`` and scores every key)."""
+    import copy
+    from transformers import DynamicCache
+    from dsattn.integrations import transformers as dsattn_hf
+    model = dsattn_hf.enable(build(family))
+    ids = torch.randint(1, 1024, (1, S), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        first = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, True)
+    result = {}
+    for path in ("dsattn", "eager"):
+        if path == "eager":
+            dsattn_hf.disable(model)
+        c, tok, times, tokens = copy.deepcopy(cache), first, [], []
+        with torch.no_grad():
+            for _ in range(steps):
+                t = time.perf_counter()
+                tok = model(input_ids=tok, cache=c, use_cache=True).logits[:, -1].argmax(-1, True)
+                times.append(time.perf_counter() - t)
+                tokens.append(int(tok))
+        result[path] = {"ms": 1e3 * sorted(times)[len(times) // 2], "tokens": tokens}
+    torch.save(result, out)
+    print(json.dumps({"seconds": 0.0, "peak_gb": peak_rss_gb()}))
+
+
 def run_child(family: str, S: int, path: str, out: str, dtype: str) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--child", family, str(S), path, out, dtype],
                           capture_output=True, text=True)
@@ -108,11 +137,16 @@ def main() -> int:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--lengths", default="8192,32768")
     parser.add_argument("--check", type=int, default=4096, help="prompt length of the eager / dsattn logits check")
+    parser.add_argument("--decode", type=int, default=0, metavar="N",
+                        help="also N greedy decode steps after each length's prompt: dsattn and eager per token")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         family, S, path, out, dtype = args.child
-        child(family, int(S), path, out, dtype)
+        if path.startswith("decode"):
+            decode_child(family, int(S), int(path[len("decode"):]), out)
+        else:
+            child(family, int(S), path, out, dtype)
         return 0
     families = args.families.split(",")
     for f in families:
@@ -125,6 +159,7 @@ def main() -> int:
     print("| family | prompt | eager: time / peak RSS | dsattn enable: time / peak RSS | last-position logits |")
     print("|---|---|---|---|---|")
     tmp = f"/tmp/hf_dsa_{os.getpid()}"
+    decodes = []
     for family in families:
         for S, dtype in ([(args.check, "float32")] if args.check else []) + [(n, "bfloat16") for n in lengths]:
             need = eager_dense_gb(family, S, getattr(torch, dtype))
@@ -147,6 +182,23 @@ def main() -> int:
                     os.remove(f"{tmp}_{p}.pt")
             print(f"| {family} | {S:,} ({'fp32' if dtype == 'float32' else 'bf16'}) | {cell['eager']} | "
                   f"{cell['dsattn']} | {compare} |", flush=True)
+            if args.decode and dtype == "bfloat16":
+                decodes.append((family, S, run_child(family, S, f"decode{args.decode}", f"{tmp}_decode.pt", dtype)))
+                if os.path.exists(f"{tmp}_decode.pt"):
+                    decodes[-1] = decodes[-1][:2] + (torch.load(f"{tmp}_decode.pt"),)
+                    os.remove(f"{tmp}_decode.pt")
+    if decodes:
+        print(f"\nDecode after the prompt (the prompt prefilled by dsattn into the model's cache; {args.decode} greedy "
+              "steps from copies of it; median ms a token):\n")
+        print("| family | context | eager: ms a token | dsattn enable: ms a token | greedy tokens |")
+        print("|---|---|---|---|---|")
+        for family, S, r in decodes:
+            if "dsattn" not in r:
+                print(f"| {family} | {S:,} | {r.get('error', '-')} | - | - |")
+                continue
+            same = r["dsattn"]["tokens"] == r["eager"]["tokens"]
+            print(f"| {family} | {S:,} | {r['eager']['ms']:.0f} | {r['dsattn']['ms']:.1f} | "
+                  f"{'equal' if same else 'differ'} |", flush=True)
     return 0
 
 
