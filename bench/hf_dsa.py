@@ -153,7 +153,8 @@ def main() -> int:
         if f not in FAMILIES:
             parser.error(f"--families: {f!r}; expected a subset of {', '.join(FAMILIES)}")
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    print(f"python bench/hf_dsa.py --families {args.families} --lengths {args.lengths} --check {args.check}  "
+    print(f"python bench/hf_dsa.py --families {args.families} --lengths {args.lengths} --check {args.check}"
+          f"{f' --decode {args.decode}' if args.decode else ''}  "
           f"({torch.get_num_threads()} threads, one prefill forward, no cache; the check's row in float32, the "
           f"others bf16)\n")
     print("| family | prompt | eager: time / peak RSS | dsattn enable: time / peak RSS | last-position logits |")
