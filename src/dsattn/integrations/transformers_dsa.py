@@ -98,19 +98,18 @@ def check_config(model, family) -> None:
             raise ValueError(f"config.indexer_types: the first layer is {types[0]!r}; a shared layer needs a full "
                              "layer before it")
     if family == "glm5_next":
-        text = cfg
-        layers, types = list(text.layer_types), list(text.indexer_types)
+        layers, types = list(cfg.layer_types), list(cfg.indexer_types)
         for i, (kind, share) in enumerate(zip(layers, types)):
             if kind == "indexed_attention" and share == "shared" and \
                     (i == 0 or layers[i - 1] != "indexed_attention" or types[i - 1] != "full"):
                 raise ValueError(f"config.indexer_types: layer {i} is 'shared' but layer {i - 1} is not a full "
                                  "indexed-attention layer (its list would not reach it)")
-        if text.qk_rope_head_dim != 0:
-            raise ValueError(f"config.qk_rope_head_dim: {text.qk_rope_head_dim}; GLM-5.3-Flash's sparse layers have "
+        if cfg.qk_rope_head_dim != 0:
+            raise ValueError(f"config.qk_rope_head_dim: {cfg.qk_rope_head_dim}; GLM-5.3-Flash's sparse layers have "
                              "no rope (0)")
-        if text.index_topk < text.index_kpool:
-            raise ValueError(f"config.index_topk: {text.index_topk} selects no pool of index_kpool "
-                             f"{text.index_kpool} tokens")
+        if cfg.index_topk < cfg.index_kpool:
+            raise ValueError(f"config.index_topk: {cfg.index_topk} selects no pool of index_kpool "
+                             f"{cfg.index_kpool} tokens")
 
 
 def enable_modules(model, family, forward_key: str, padded_forward) -> None:
