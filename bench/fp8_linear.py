@@ -2,8 +2,10 @@
 bf16 activations) on DeepSeek-V3.2 and V4-Flash layer shapes, side by side with the same product on a bf16 weight
 (``x @ W.T``: the checkpoint dequantised offline, twice the bytes; V4-Flash's MXFP4 routed experts through
 ``mxfp4_linear``, four times) and, where vLLM's AMX kernel runs, vLLM's own
-``fp8_scaled_mm_cpu`` -- with the machine's copy bandwidth and GEMM ceilings measured in the same run.  Where
-vLLM's kernel runs, it ends with the kernel the plug-in picks for each layer (``linear_choice``).
+``fp8_scaled_mm_cpu`` -- with the machine's copy bandwidth and GEMM ceilings measured in the same run.  dsattn's
+kernel runs in both its modes side by side: the default (rows of up to 8 streamed, larger calls tiled on the GEMM
+path) and the batch-invariant one (``dsattn.weights.batch_invariant``: every call streamed, one summation order for
+every M).  Where vLLM's kernel runs, it ends with the kernel the plug-in serves each layer with (a rule, not a timing).
 
 Decode-shaped calls (M 1-8) report the weight bytes read a second against the copy bandwidth (each call reads
 another copy of the layer: the copies together exceed the last-level cache, as a model's layers do) and against
@@ -119,13 +121,12 @@ def main() -> int:
     print("A decode row's roofline is the lower of the copy bandwidth and the weight bytes those vector units can "
           "multiply into M rows of x a second.")
     theirs = vllm_kernel()
-    print("\n| model | layer | N x K | M | dsattn (FP8 or MXFP4) | bf16 weight (x @ W.T) | " + ("vLLM fp8_scaled_mm_cpu | " if theirs else "")
-          + "dsattn / ceiling |")
-    print("|---|---|---|---|---|---|" + ("---|" if theirs else "") + "---|")
+    print("\n| model | layer | N x K | M | dsattn (FP8 or MXFP4) | dsattn batch-invariant | bf16 weight (x @ W.T) | "
+          + ("vLLM fp8_scaled_mm_cpu | " if theirs else "") + "dsattn / ceiling |")
+    print("|---|---|---|---|---|---|---|" + ("---|" if theirs else "") + "---|")
     g = torch.Generator().manual_seed(0)
     choices = []
-    if theirs:
-        from dsattn.integrations.vllm.fp8_weights import PREFILL_ROWS, linear_choice as choice
+    from dsattn.weights import batch_invariant
     for model, layer, N, K, fmt in shapes:
         mx = fmt == "mxfp4"
         nbytes = N * K // 2 + N * K // 32 if mx else N * K          # the weight bytes a call reads (codes + scales)
@@ -152,6 +153,8 @@ def main() -> int:
                     return dsattn.ops.mxfp4_linear(x, codes[state["i"]], scale)
                 return dsattn.ops.fp8_block_linear(x, codes[state["i"]], scale, [128, 128])
             t = best_of(ours, 2 * copies if decode else 3)
+            with batch_invariant():
+                ti = best_of(ours, 2 * copies if decode else 3)
             td = best_of(lambda: x @ dense.T, 3)
             tv = None
             if packed:                                  # (its packed copies rotated as ours are)
@@ -159,11 +162,11 @@ def main() -> int:
                     state["i"] = (state["i"] + 1) % copies if decode else 0
                     return theirs(x, packed[state["i"]], scale)
                 tv = best_of(vllms, 2 * copies if decode else 3)
-            timed.append((M, decode, t, td, tv))
+            timed.append((M, decode, t, ti, td, tv))
         # this layer's ceilings: the better of those measured just before and just after its rows (a neighbour's
         # load on the host moves them within a run)
         c = best_ceilings(before, ceilings())
-        for M, decode, t, td, tv in timed:
+        for M, decode, t, ti, td, tv in timed:
             if decode:
                 rate = lambda s: f"{nbytes / s / 1e9:.1f} GB/s"  # noqa: E731
                 roof = decode_roofline(c, M, nbytes / (N * K))
@@ -174,19 +177,17 @@ def main() -> int:
                 rate = lambda s: f"{2 * M * N * K / s / 1e9:.0f} GFLOP/s"  # noqa: E731
                 share = f"{100 * 2 * M * N * K / t / 1e9 / c[gemm_dt]:.0f} % of GEMM ({c[gemm_dt]:.0f} GFLOP/s)"
                 bf16 = f"{td * 1e3:.2f} ms ({rate(td)})"
-            row = f"| {model} | {layer} | {N} x {K} | {M} | {t * 1e3:.2f} ms ({rate(t)}) | {bf16} | "
+            row = (f"| {model} | {layer} | {N} x {K} | {M} | {t * 1e3:.2f} ms ({rate(t)}) | {ti * 1e3:.2f} ms "
+                   f"({rate(ti)}, {ti / t:.2f}x) | {bf16} | ")
             if theirs:
                 row += f"{tv * 1e3:.2f} ms ({rate(tv)}) | " if tv is not None else "- | "
             print(row + share + " |", flush=True)
         if packed:
-            choices.append((model, layer, N, K, choice(N, K, (128, 128))))
+            choices.append(f"{model} {layer} [{N} x {K}]")
         del codes, packed
     if choices:
-        print(f"\nThe plug-in's choice for a bf16 layer here (DSATTN_FP8_KERNELS=auto: each kernel timed once, hot, at "
-              f"1 / {PREFILL_ROWS} rows; dsattn's only if no slower at both):")
-        for model, layer, N, K, c in choices:
-            print(f"- {model} {layer} [{N} x {K}]: dsattn {c['dsattn'][0]:.3f} / {c['dsattn'][1]:.2f} ms, vLLM "
-                  f"{c['vllm'][0]:.3f} / {c['vllm'][1]:.2f} ms: **{c['chosen']}**")
+        print("\nThe plug-in's kernel for these bf16 layers here (DSATTN_FP8_KERNELS=auto, a rule: vLLM's AMX kernel "
+              "wherever it takes the layer, as these rows measured it): vLLM's for " + ", ".join(choices))
     N, K = 24576, 1536
     w = torch.randint(0, 126, (N, K), dtype=torch.uint8).view(torch.float8_e4m3fn)
     s = torch.rand(N // 128, K // 128)

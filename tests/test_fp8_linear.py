@@ -42,8 +42,7 @@ def _run(path, x, codes, scale, block, bias=None):
 @pytest.mark.parametrize("M,N,K,block", [(1, 300, 200, (128, 128)), (3, 129, 257, (128, 128)), (8, 64, 96, (32, 32)),
                                          (9, 17, 48, (1, 16)), (40, 576, 512, (128, 128)), (0, 32, 64, (128, 128)),
                                          (5, 7, 130, (64, 48))])
-def test_matches_golden(path, dtype, M, N, K, block):
-    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+def test_matches_golden(path, dtype, M, N, K, block, gen):
     codes = _random_codes(N, K, gen)
     scale = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=gen) * 0.02 + 1e-3
     x = torch.randn(M, K, generator=gen).to(dtype)
@@ -52,8 +51,7 @@ def test_matches_golden(path, dtype, M, N, K, block):
 
 
 @pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
-def test_leading_dims_and_the_op(path):
-    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+def test_leading_dims_and_the_op(path, gen):
     w = torch.randn(192, 256, generator=gen)
     codes, scale = quantize_fp8_blocks(w)
     x = torch.randn(2, 3, 256, generator=gen)
@@ -65,8 +63,7 @@ def test_leading_dims_and_the_op(path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])     # (bf16: the vdpbf16ps route where it runs)
 @pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
-def test_zero_blocks_nan_codes_and_extreme_scales(path, dtype):
-    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+def test_zero_blocks_nan_codes_and_extreme_scales(path, dtype, gen):
     N, K, block = 260, 384, (128, 128)
     codes = _random_codes(N, K, gen)
     codes[:128, 128:256] = 0                        # a zero block
@@ -150,8 +147,7 @@ def _check_fp4(y, x, codes, scale, bias=None):
 @pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("M,N,K", [(1, 300, 64), (3, 129, 288), (8, 64, 512), (9, 17, 32), (40, 100, 544), (0, 8, 64)])
-def test_mxfp4_matches_golden(path, dtype, M, N, K):
-    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+def test_mxfp4_matches_golden(path, dtype, M, N, K, gen):
     codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
     scale = torch.randint(120, 131, (N, K // 32), dtype=torch.uint8, generator=gen)   # ue8m0: 2^-7 .. 2^3
     x = torch.randn(M, K, generator=gen).to(dtype)
@@ -161,8 +157,7 @@ def test_mxfp4_matches_golden(path, dtype, M, N, K):
 
 @pytest.mark.parametrize("path", ["streamed", "tiled", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_extreme_scales_and_the_op(path, dtype):
-    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+def test_mxfp4_extreme_scales_and_the_op(path, dtype, gen):
     N, K = 40, 256
     codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
     scale = torch.full((N, K // 32), 127, dtype=torch.uint8)
@@ -182,11 +177,10 @@ def test_mxfp4_extreme_scales_and_the_op(path, dtype):
 
 @pytest.mark.parametrize("path", ["streamed", "tiled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_mxfp4_scales_either_side_of_the_fold(path, dtype):
+def test_mxfp4_scales_either_side_of_the_fold(path, dtype, gen):
     """ue8m0 scales at both edges of the range the vdpbf16ps route folds into the codes (2^-63 .. 2^63) and past
     them, mixed within rows; fp32 scales that are not powers of two; both against the golden, and ue8m0 against its
     fp32 widening bit for bit (a power of two folds whichever type carries it)."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
     N, K = 70, 512
     codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
     edges = torch.tensor([62, 63, 64, 65, 120, 127, 131, 189, 190, 191, 192], dtype=torch.uint8)
@@ -208,8 +202,7 @@ def _same_bits(a, b) -> bool:
 
 @pytest.mark.parametrize("path", ["streamed", "tiled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_ue8m0_scales_read_as_fp32_would_be(path, dtype):
-    gen = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+def test_fp8_ue8m0_scales_read_as_fp32_would_be(path, dtype, gen):
     N, K = 200, 320
     codes = (torch.randn(N, K, generator=gen) * 50).to(torch.float8_e4m3fn)
     e8 = torch.randint(110, 140, (2, 3), dtype=torch.uint8, generator=gen)
@@ -236,3 +229,65 @@ def test_mxfp4_round_trip_and_bad_input():
         dsattn.ops.mxfp4_linear(x, codes.float(), scale)
     with pytest.raises(ValueError, match="a multiple of 32"):
         dsattn.ops.mxfp4_linear(torch.randn(2, 80), codes[:, :40], scale[:, :2])
+
+
+# ---- batch invariance ----
+
+INVARIANCE_ROWS = list(range(1, 18)) + [31, 32, 33, 64, 65, 129, 200]
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8) if t.dtype != torch.float32 else t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_batch_invariant_mode_sums_each_row_in_one_order(fmt, dtype, gen, native_module):
+    """In the batch-invariant mode a row's bits do not depend on M, on where it sits in the call or on the threads:
+    every slice of rows called alone (every M from 1 to 17, then past the streamed path's groups and the tiled path's
+    panels) gives its rows of the 200-row call, on 1 thread as on 2, and one row alone gives the decode path's bits
+    (the default mode's for M 1)."""
+    if native_module is None:
+        pytest.skip("the promise is the compiled kernel's")
+    from dsattn.cases.invariance import on_threads
+    from dsattn.weights import batch_invariant
+    N, K = 203, 320
+    if fmt == "fp8":
+        codes = _random_codes(N, K, gen)
+        scale = torch.randint(118, 130, (2, 3), dtype=torch.uint8, generator=gen)       # ue8m0, K's last block partial
+
+        def op(a):
+            return dsattn.ops.fp8_block_linear(a, codes, scale, [128, 128])
+    else:
+        codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+        scale = torch.randint(118, 130, (N, K // 32), dtype=torch.uint8, generator=gen)
+
+        def op(a):
+            return dsattn.ops.mxfp4_linear(a, codes, scale)
+    x = torch.randn(max(INVARIANCE_ROWS), K, generator=gen).to(dtype)
+    with batch_invariant():
+        full = op(x)
+        assert torch.equal(_bits(on_threads(1, lambda: op(x))), _bits(full)), "1 thread against 2"
+        for M in INVARIANCE_ROWS:
+            for start in sorted({0, 7, x.shape[0] - M} & set(range(0, x.shape[0] - M + 1))):
+                got = op(x[start:start + M])
+                assert torch.equal(_bits(got), _bits(full[start:start + M])), f"rows {start}..{start + M - 1} alone"
+    for i in (0, 57, 199):
+        assert torch.equal(_bits(op(x[i:i + 1])), _bits(full[i:i + 1])), f"row {i}: the default mode's decode call"
+    if fmt == "fp8":
+        _check(full, x, codes, e8m0_to_float(scale), (128, 128))
+
+
+def test_batch_invariant_mode_switches(monkeypatch):
+    from dsattn.weights import batch_invariant, invariance
+    monkeypatch.delenv(invariance.ENV, raising=False)
+    assert not invariance.requested()
+    monkeypatch.setenv(invariance.ENV, "1")
+    assert invariance.requested()
+    with batch_invariant(False):
+        assert not invariance.requested()
+        with batch_invariant():
+            assert invariance.requested()
+    monkeypatch.setenv(invariance.ENV, "sometimes")
+    with pytest.raises(ValueError, match="DSATTN_BATCH_INVARIANT='sometimes': expected 1 or 0"):
+        invariance.requested()

@@ -98,7 +98,11 @@ def _batch_invariance(args) -> int:
         else:
             console.print(f"DSATTN_NATIVE_GEMM={native.gemm_requested()} runs oneDNN's kernels ({kinds}), where no "
                           "batch invariance is promised: differences there are oneDNN's")
-    with gemm:
+    from .weights import batch_invariant
+    if "weights" in families:
+        console.print("the quantised linears run in their batch-invariant mode (DSATTN_BATCH_INVARIANT=1: every call "
+                      "streamed, one summation order for every M)")
+    with gemm, batch_invariant():
         return _batch_invariance_families(console, invariance, families, seed, args.batch_invariance)
 
 
@@ -307,7 +311,8 @@ def main(argv=None) -> int:
     v.add_argument("--batch-invariance", type=_int_at_least(1), metavar="N",
                    help="instead: N random batches per family; every request's rows must be the same bits alone "
                         "as in its batch, and the batch the same on 1 thread as on all")
-    v.add_argument("--family", choices=("mla", "sharedkv", "packed", "indexer", "qindexer", "kl", "qsfa", "compressor"),
+    v.add_argument("--family", choices=("mla", "sharedkv", "packed", "indexer", "qindexer", "kl", "qsfa", "compressor",
+                                           "weights"),
                    help="with --fuzz / --batch-invariance: one family only")
     v.add_argument("--seed", type=_int_at_least(0),
                    help="with --fuzz / --batch-invariance: the first seed (default: random)")

@@ -360,6 +360,9 @@ def matrix(impl: str = "ops", quick: bool = False, progress: Callable | None = N
                     seed = hash(("packed", r, str(dt), str(payload))) % 10_000
                     jobs.append(lambda r=r, dt=dt, payload=payload, seed=seed: packed_sharedkv_rows(
                         cases.packed_sharedkv_case("TND", r, dt, payload=payload, seed=seed), impl))
+    if impl != "facade":                             # fp8_block_linear / mxfp4_linear: both formats, each dtype
+        from .cases.weights import check_rows, quant_linear_config
+        jobs += [lambda seed=seed: check_rows(quant_linear_config(seed)) for seed in range(12 if quick else 48)]
     rows: list[Row] = []
     for n, job in enumerate(jobs):
         rows.extend(job())

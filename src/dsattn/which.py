@@ -35,6 +35,7 @@ def describe() -> str:
              + _quant_indexer_dispatch(),
              "FlashMLA's API (sparse_mla.rows), a bf16 CPU call: " + _rows_dispatch(),
              "sparse_attn_sharedkv over paged caches, a bf16 CPU call: " + _sharedkv_step(),
+             "fp8_block_linear / mxfp4_linear (weights.dispatch), a bf16 CPU call: " + _quant_linear_dispatch(),
              f"metadata planner: {native.status()}"
              + ("" if native.load() is not None else "; the NumPy fast planner runs")]
     return "\n".join(lines)
@@ -92,6 +93,23 @@ def _mla_dispatch(grad: bool) -> str:
     from .sparse_mla.problem import parse_mla
     P = parse_mla(torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16), ori_kv=torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16))
     return _dispatch_line(dispatch.explain(P, grad))
+
+
+def _quant_linear_dispatch() -> str:
+    """The implementation the quantised linears pick for a bf16 CPU call, its streamed route and the mode."""
+    from .weights import dispatch, invariance
+    from .weights.problem import parse_fp8_linear
+    P = parse_fp8_linear(torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(16, 128, dtype=torch.uint8),
+                         torch.ones(1, 1), [128, 128], None)
+    line = _dispatch_line(dispatch.explain(P))
+    if dispatch.choose(P).name != "compiled":
+        return line
+    from .native import isa
+    route = ("vdpbf16ps" if isa.bf16_units() else "fp32 FMA") + " for bf16 x"
+    mode = ("every call streamed (batch-invariant mode, DSATTN_BATCH_INVARIANT)" if invariance.requested() else
+            "calls of more than 8 rows tiled on the GEMM path (DSATTN_BATCH_INVARIANT=1 streams every call: "
+            "batch-invariant)")
+    return f"{line}: up to 8 rows streamed ({route}), {mode}"
 
 
 def _cpu_attention(module) -> str:

@@ -565,6 +565,16 @@ def _check_compressor(c):
     return compressor_rows(c, "ops")
 
 
+def _quant_linear_config(seed: int):
+    from .weights import quant_linear_config
+    return quant_linear_config(seed)
+
+
+def _check_quant_linear(c):
+    from .weights import check_rows
+    return check_rows(c)
+
+
 FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "mla": (mla_config, _check_mla),                  # sparse_flash_mla forward and gradient
     "sharedkv": (sharedkv_config, _check_sharedkv),
@@ -574,6 +584,7 @@ FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "kl": (kl_config, _check_kl),
     "qsfa": (qsfa_config, _check_qsfa),
     "compressor": (compressor_config, _check_compressor),
+    "weights": (_quant_linear_config, _check_quant_linear),   # fp8_block_linear, mxfp4_linear
 }
 
 

@@ -327,7 +327,7 @@ def check_compressor(seed: int) -> list[str]:
     return bad
 
 
-FAMILIES = ("mla", "sharedkv", "packed", "indexer", "kl", "qsfa", "compressor")
+FAMILIES = ("mla", "sharedkv", "packed", "indexer", "kl", "qsfa", "compressor", "weights")
 
 
 def check(family: str, seed: int, key_grads: bool | None = None) -> list[str]:
@@ -335,6 +335,9 @@ def check(family: str, seed: int, key_grads: bool | None = None) -> list[str]:
     the batch on one thread the same as on all)."""
     if family == "compressor":
         return check_compressor(seed)
+    if family == "weights":                      # the quantised linears, in their batch-invariant mode
+        from .weights import check_invariance
+        return check_invariance(seed)
     return check_attention(family, seed, key_grads)
 
 

@@ -185,7 +185,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "test hook: the indexer's head sums in key-major and head-major layouts give the same bits");
   m.def("quant_linear", &quant_linear,
         "x W^T (+ bias) with W as codes (fp8: e4m3fn [N, K]; fp4: e2m1 pairs [N, K / 2]) and fp32 scales per "
-        "(bn x bk) block, read in place",
+        "(bn x bk) block, read in place; rows of x up to stream_rows_max streamed (-1: 8; 0: tiled; >= M: every row, "
+        "one summation order for any M)",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("bn"), py::arg("bk"), py::arg("bias") = py::none(),
         py::arg("format") = "fp8", py::arg("stream_rows_max") = -1);
   m.def("rows_matmul", &rows_matmul,

@@ -19,6 +19,10 @@
 //   tiled    (prefill): 32 rows of codes x one K block at a time decoded to the GEMM's operand type (exact) in a
 //            thread's scratch, multiplied by x^T (packed once a call) on the kernels' GEMM (gemm.h: AMX,
 //            vdpbf16ps, or dsattn's fp32), each block's product scaled into the rows' sums.
+// Batch invariance: the streamed path sums each row of x on its own, in the same operations whatever the rows beside
+// it; the tiled path's GEMM blocks over M, so a row's bits there follow M.  The batch-invariant mode (stream_rows_max
+// >= M) streams every call, x in groups of STREAM_ROWS rows over chunks of weight rows held in L2: one order for every
+// M, on every ISA cap (the route -- vdpbf16ps or fp32 -- follows x's dtype and the CPU, never M).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -347,6 +351,45 @@ void stream_all(const QuantProblem& p) {
 }
 
 template <Codes F>
+void stream_rows_of(const QuantProblem& p, int64_t n0, int64_t n1) {
+  switch (p.M) {
+    case 1: return stream_rows<1, F>(p, n0, n1);
+    case 2: return stream_rows<2, F>(p, n0, n1);
+    case 3: return stream_rows<3, F>(p, n0, n1);
+    case 4: return stream_rows<4, F>(p, n0, n1);
+    case 5: return stream_rows<5, F>(p, n0, n1);
+    case 6: return stream_rows<6, F>(p, n0, n1);
+    case 7: return stream_rows<7, F>(p, n0, n1);
+    default: return stream_rows<8, F>(p, n0, n1);
+  }
+}
+
+constexpr int64_t STREAM_CHUNK_BYTES = 512 << 10;   // codes a chunk of weight rows holds (kept in L2 across x's groups)
+
+// Any M on the streamed path (the batch-invariant mode): x in groups of STREAM_ROWS rows, each group over a chunk of
+// weight rows that stays in L2 while every group passes.  A row of x meets each weight row in the same operations in
+// the same order whatever its group's size, M or the threads (the threads split N only): its results do not depend
+// on the rows beside it.
+template <Codes F>
+void stream_groups(const QuantProblem& p) {
+  const int64_t row_bytes = std::max<int64_t>(1, code_bytes<F>(p.K));
+  const int64_t chunk = std::max<int64_t>(16, (STREAM_CHUNK_BYTES / row_bytes) / 16 * 16);
+  at::parallel_for(0, (p.N + chunk - 1) / chunk, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * chunk, n1 = std::min(p.N, n0 + chunk);
+      for (int64_t m0 = 0; m0 < p.M; m0 += STREAM_ROWS) {
+        QuantProblem g = p;
+        g.M = std::min(STREAM_ROWS, p.M - m0);
+        if (p.x) g.x = p.x + m0 * p.Kx;
+        if (p.xb) g.xb = p.xb + m0 * p.Kx;
+        g.y = p.y + m0 * p.N;
+        stream_rows_of<F>(g, n0, n1);
+      }
+    }
+  });
+}
+
+template <Codes F>
 void stream(const QuantProblem& p) {
   switch (p.M) {
     case 1: return stream_all<1, F>(p);
@@ -356,7 +399,8 @@ void stream(const QuantProblem& p) {
     case 5: return stream_all<5, F>(p);
     case 6: return stream_all<6, F>(p);
     case 7: return stream_all<7, F>(p);
-    default: return stream_all<8, F>(p);
+    case 8: return stream_all<8, F>(p);
+    default: return stream_groups<F>(p);
   }
 }
 
@@ -602,8 +646,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
                e8m0 ? nullptr : scale.data_ptr<float>(), e8m0 ? scale.data_ptr<uint8_t>() : nullptr,
                bias.has_value() ? b32.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   // streamed up to STREAM_ROWS rows (measured on the AMX Xeon, bf16 x, weights past the cache: streamed 8-10 GB/s at
-  // 8 rows, tiled 5-6 with AMX, 3 with vdpbf16ps)
-  const int64_t limit = std::min<int64_t>(stream_rows_max < 0 ? STREAM_ROWS : stream_rows_max, STREAM_ROWS);
+  // 8 rows, tiled 5-6 with AMX, 3 with vdpbf16ps); stream_rows_max >= M streams every row, in groups of STREAM_ROWS
+  // (the batch-invariant mode: one summation order for every M)
+  const int64_t limit = stream_rows_max < 0 ? STREAM_ROWS : stream_rows_max;
   if (M <= limit) {
     // bf16 x: vdpbf16ps where the CPU has it (FP8: blocks of whole 64-code runs and VBMI; MXFP4: always); otherwise
     // x widened to fp32.  Rows

@@ -4,19 +4,25 @@ from __future__ import annotations
 import torch
 
 from .. import native
+from . import invariance
 from .problem import QuantLinearProblem
 
 TORCH_ROWS = 1024          # weight rows the PyTorch path dequantises at a time (its only copy of the weight)
+STREAM_EVERY_ROW = 2 ** 62  # the compiled kernel's stream_rows_max that streams any M (the batch-invariant mode)
 
 
 def native_module(P: QuantLinearProblem):
     """The compiled layer where it takes this call (CPU tensors, a K block of whole 16-code runs), else None."""
     if P.x.device.type != "cpu" or P.bk % 16:
         return None
-    return native.load()
+    return native.kernels()
 
 
-def linear_native(P: QuantLinearProblem, stream_rows_max: int = -1) -> torch.Tensor:
+def linear_native(P: QuantLinearProblem, stream_rows_max: int | None = None) -> torch.Tensor:
+    """``stream_rows_max``: the rows of x up to which the weight is streamed (-1: the kernel's default, 8; 0: always
+    tiled); None: as the batch-invariant mode says (on: every call streamed, one summation order for every M)."""
+    if stream_rows_max is None:
+        stream_rows_max = STREAM_EVERY_ROW if invariance.requested() else -1
     y = native_module(P).quant_linear(P.x.contiguous(), P.codes.contiguous(), P.scale, P.bn, P.bk, P.bias, P.format,
                                       stream_rows_max)
     return y.reshape(P.out_shape)
