@@ -19,7 +19,7 @@ def dequantize_mxfp4(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.float
     """e2m1 pairs uint8 [N, K / 2] x their groups' scales (float32, or ue8m0 as uint8 / float8_e8m0fnu) [N, K / 32]."""
     from .problem import e8m0_to_float
     flat = torch.stack([codes & 0xF, codes >> 4], -1).reshape(codes.shape[0], -1).long()
-    values = torch.tensor(E2M1, dtype=dtype)[flat]
+    values = torch.tensor(E2M1, dtype=dtype, device=codes.device)[flat]
     s = scale if scale.dtype == torch.float32 else e8m0_to_float(scale)
     return values * s.to(dtype).repeat_interleave(32, 1)
 
@@ -43,3 +43,28 @@ def fp8_block_linear(x, weight, weight_scale, block_size=(128, 128), bias=None, 
 
 def mxfp4_linear(x, weight, weight_scale, bias=None, dtype=torch.float64) -> torch.Tensor:
     return _product(parse_mxfp4_linear(x, weight, weight_scale, bias), dtype)
+
+
+def routed_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None, weights_applied: bool = False,
+                   limit: float | None = None, dtype=torch.float64) -> torch.Tensor:
+    """The golden of :func:`dsattn.weights.moe.run_experts` over dense expert weights (``w13`` [E, 2I, H]: gate rows
+    then up rows; ``w2`` [E, H, I]), token by token in ``dtype``: for each of a token's top-k experts on this rank,
+    ``w2 (silu(gate) * up)`` with ``gate, up = w13 x`` (clamped where ``limit`` is given), weighted by its top-k weight
+    (or not, where ``weights_applied``: ``x`` already carries it) and summed."""
+    T, k = topk_ids.shape
+    half = w13.shape[1] // 2
+    out = torch.zeros(T, w2.shape[1], dtype=dtype)
+    for t in range(T):
+        for j in range(k):
+            e = int(topk_ids[t, j])
+            if expert_map is not None:
+                e = int(expert_map[e])
+            if e < 0:
+                continue
+            h = w13[e].to(dtype) @ x[t].to(dtype)
+            gate, up = h[:half], h[half:]
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            y = w2[e].to(dtype) @ (torch.nn.functional.silu(gate) * up)
+            out[t] += y if weights_applied else float(topk_weights[t, j]) * y
+    return out
