@@ -36,13 +36,14 @@ needs_vllm_v4_kernels = pytest.mark.skipif(bool(vllm_v4_kernels_missing()), reas
 
 
 def run_llm(model, prompts, engine=None, late=None, max_tokens=MAX_TOKENS, env=None, timeout=600,
-            prompt_logprobs=False):
+            prompt_logprobs=False, kernels=False):
     """vLLM's greedy outputs in a fresh process: [{tokens, logprobs, top5}] per prompt (and ``prompt_logprobs``:
-    each prompt token's log-prob, teacher-forced, where asked)."""
+    each prompt token's log-prob, teacher-forced, where asked); ``kernels``: ``(outputs, {"linear": [...],
+    "experts": [...]})``, the classes that served the quantised linears and the MoE experts."""
     engine = dict(dict(max_model_len=256, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20),
                   **(engine or {}))
     spec = dict(model=str(model), engine=engine, prompts=prompts, max_tokens=max_tokens, late=late,
-                prompt_logprobs=prompt_logprobs)
+                prompt_logprobs=prompt_logprobs, kernels=kernels)
     proc = subprocess.run([sys.executable, str(HERE / "llm_run.py"), json.dumps(spec)], capture_output=True,
                           text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
     if proc.returncode != 0:
@@ -50,7 +51,12 @@ def run_llm(model, prompts, engine=None, late=None, max_tokens=MAX_TOKENS, env=N
         raise AssertionError(f"vLLM run failed ({proc.returncode}):\n" + "\n".join(errors[-30:]))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, f"vLLM run printed no result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT "):])
+    if not kernels:
+        return out
+    served = [ln for ln in proc.stdout.splitlines() if ln.startswith("KERNELS ")]
+    assert served, f"vLLM run printed no kernels:\n{proc.stdout[-3000:]}"
+    return out, json.loads(served[-1][len("KERNELS "):])
 
 
 def compare(got, want, tol, min_match=0.75):

