@@ -10,7 +10,8 @@ from transformers import (DeepseekV32Config, DeepseekV32ForCausalLM, DynamicCach
                           GlmMoeDsaForCausalLM)
 
 from dsattn.integrations import transformers as dsattn_hf  # noqa: E402
-from hf_common import assert_generate_matches_eager, both, padded  # noqa: E402
+from hf_common import (assert_generate_matches_eager, assert_refused, block_diagonal_mask, both,  # noqa: E402
+                       causal_mask_4d, first_layer_mask, padded, patch_transformers_version)
 
 VOCAB = 97
 
@@ -205,3 +206,81 @@ def test_disable_restores_the_model():
     assert not hasattr(attn, "_dsattn_original_forward") and not hasattr(model.model, "_dsattn_original_forward")
     assert model.config._attn_implementation == "eager"
     assert torch.equal(_logits(ids)(model), want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_masks_dsattn_cannot_honour_raise_naming_their_shape(family):
+    """Masks transformers would hand on (a 4-D one as-is) or drop (a 3-D one) and dsattn's attention would ignore --
+    a packed-sequence (block-diagonal) mask, bool or additive, a 3-D mask, an attention bias, a 2-D additive mask,
+    position ids restarting within a row -- are each a ValueError naming the shape, before any layer runs."""
+    model = dsattn_hf.enable(FAMILIES[family](topk=16))
+    one, two = _ids(1, 40), _ids(2, 40)
+    packed = block_diagonal_mask([15, 25])
+    accepts = r".*takes None, a 2-D padding mask \[batch, past \+ new tokens\] of 0 / 1, or the model's own 4-D causal"
+    for mask in (packed, torch.zeros(packed.shape).masked_fill(~packed, torch.finfo(torch.float32).min)):
+        assert_refused(model, r"^attention_mask: the 4-D mask of shape \(1, 1, 40, 40\) is not the model's own causal "
+                       r"mask with key padding \(e\.g\. a block-diagonal packed-sequence mask\)" + accepts,
+                       input_ids=one, attention_mask=mask, use_cache=False)
+    assert_refused(model, r"^attention_mask: shape \(2, 40, 40\) \(3-D\) is not a mask dsattn can honour" + accepts,
+                   input_ids=two, attention_mask=causal_mask_4d(torch.ones(2, 40))[:, 0], use_cache=False)
+    bias = torch.zeros(1, 1, 40, 40).masked_fill(~causal_mask_4d(torch.ones(1, 40)), float("-inf"))
+    bias[..., 0] -= 0.5
+    assert_refused(model, r"^attention_mask: the 4-D mask of shape \(1, 1, 40, 40\) holds values other than 0 and "
+                   r"-inf", input_ids=one, attention_mask=bias, use_cache=False)
+    additive = torch.zeros(2, 40).masked_fill(torch.arange(40) < 5, float("-inf"))
+    assert_refused(model, r"^attention_mask: the 2-D mask of shape \(2, 40\) holds values other than 0 and 1",
+                   input_ids=two, attention_mask=additive, use_cache=False)
+    restarts = torch.cat([torch.arange(15), torch.arange(25)])[None]
+    assert_refused(model, r"^position_ids: they restart within a row \(packed sequences, shape \(1, 40\)\)" + accepts,
+                   input_ids=one, position_ids=restarts, use_cache=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_models_own_4d_mask_runs_as_its_padding_mask(family):
+    """The 4-D mask the eager model builds itself from a padding mask (causal AND key padding; eager's additive form
+    and sdpa's bool form) is honoured: it runs as that 2-D mask.  So does a broadcast [1, 1, S, S] causal mask."""
+    model = FAMILIES[family](topk=16)
+    ids, mask = padded([_ids(1, n, seed=20 + i)[0] for i, n in enumerate([40, 23])], "left")
+    if family == "glm-5.3-flash":           # (its eager model builds no 4-D mask: transformers' bool form by hand)
+        own = causal_mask_4d(mask)
+        forms = [own, torch.zeros(own.shape).masked_fill(~own, float("-inf"))]
+    else:
+        own = first_layer_mask(model, input_ids=ids, attention_mask=mask, use_cache=False)
+        assert own.shape == (2, 1, 40, 40) and torch.equal(own == 0, causal_mask_4d(mask))
+        forms = [own, own == 0]
+    dsattn_hf.enable(model)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        for form in forms:
+            assert torch.equal(model(input_ids=ids, attention_mask=form, use_cache=False).logits, want)
+        full, causal = _ids(2, 40), causal_mask_4d(torch.ones(1, 40))
+        assert torch.equal(model(input_ids=full, attention_mask=causal, use_cache=False).logits,
+                           model(input_ids=full, use_cache=False).logits)
+
+
+def test_a_4d_causal_mask_continues_a_cache():
+    """With a cache, the model's own mask covers the cached keys too ([B, 1, S, past + S]); the mask of a fresh call
+    is not it."""
+    model = dsattn_hf.enable(v32(topk=16))
+    ids = _ids(2, 50)
+    causal = causal_mask_4d(torch.ones(2, 50))
+    with torch.no_grad():
+        one = model(input_ids=ids, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        chunks = [model(input_ids=ids[:, :30], attention_mask=causal[:, :, :30, :30], cache=cache,
+                        use_cache=True).logits,
+                  model(input_ids=ids[:, 30:], attention_mask=causal[:, :, 30:], cache=cache, use_cache=True).logits]
+    assert (torch.cat(chunks, 1) - one).abs().max() <= 1e-5
+    assert_refused(model, r"^attention_mask: the 4-D mask has shape \(2, 1, 10, 10\); the model's own mask for this "
+                   r"call is \[2 or 1, 1, 10, 60\] \(50 cached tokens\)", input_ids=ids[:, :10],
+                   attention_mask=causal[:, :, :10, :10], cache=cache, use_cache=True)
+
+
+def test_an_old_transformers_is_named_not_taken_for_a_wrong_model(monkeypatch):
+    """On transformers 5.16 (no GLM-5.3-Flash classes) enable says which version it needs, not "no attention
+    module dsattn serves"."""
+    model = glm5_flash()
+    patch_transformers_version(monkeypatch, "5.16.2")
+    with pytest.raises(ImportError, match=r"^dsattn's transformers integration needs transformers >= 5\.17 "
+                                          r"\(installed: 5\.16\.2\)"):
+        dsattn_hf.enable(model)

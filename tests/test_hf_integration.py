@@ -1,5 +1,9 @@
 """transformers' DeepSeek-V4 on dsattn (issue 14): tiny random configs built locally (no download), the
 dsattn-enabled model against the model's own eager attention."""
+import importlib
+import re
+import sys
+
 import pytest
 import torch
 
@@ -7,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache  # noqa: E402
 
 from dsattn.integrations import transformers as dsattn_hf  # noqa: E402
-from hf_common import assert_generate_matches_eager, both, padded  # noqa: E402
+from hf_common import (assert_generate_matches_eager, assert_refused, block_diagonal_mask, both,  # noqa: E402
+                       causal_mask_4d, first_layer_mask, padded, patch_transformers_version)
 
 HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
 
@@ -293,3 +298,75 @@ def test_indexer_kl_loss_is_spec_10_against_the_eager_model():
         assert "indexer_kl_loss" not in dsattn_hf.enable(model, indexer_kl_loss=True)(ids, use_cache=False)
     with pytest.raises(TypeError, match="^indexer_kl_weight"):
         dsattn_hf.enable(model, indexer_kl_loss=True, indexer_kl_weight="1")
+
+
+def test_masks_dsattn_cannot_honour_raise_naming_their_shape():
+    """A packed-sequence (block-diagonal) mask, a plain causal mask longer than the window (not the model's own
+    sliding-window mask), a 3-D mask, a prepared dict holding a mask and position ids restarting within a row
+    would each be misread; each is a ValueError naming its shape before any layer runs."""
+    model = dsattn_hf.enable(tiny((SWA, HCA, CSA)))                    # window 16
+    one, two = _ids(1, 40), _ids(2, 40)
+    accepts = r".*or the model's own 4-D sliding-window \(16\) causal mask with key padding"
+    for mask in (block_diagonal_mask([15, 25]), causal_mask_4d(torch.ones(1, 40))):
+        assert_refused(model, r"^attention_mask: the 4-D mask of shape \(1, 1, 40, 40\) is not the model's own causal "
+                       r"mask with key padding" + accepts, input_ids=one, attention_mask=mask, use_cache=False)
+    assert_refused(model, r"^attention_mask: shape \(2, 40, 40\) \(3-D\) is not a mask dsattn can honour" + accepts,
+                   input_ids=two, attention_mask=causal_mask_4d(torch.ones(2, 40), window=16)[:, 0], use_cache=False)
+    assert_refused(model, r"^attention_mask: a dict of prepared masks \{'sliding_attention': \(1, 1, 40, 40\)\}",
+                   input_ids=one, attention_mask={"sliding_attention": block_diagonal_mask([15, 25])}, use_cache=False)
+    restarts = torch.cat([torch.arange(15), torch.arange(25)])[None]
+    assert_refused(model, r"^position_ids: they restart within a row \(packed sequences, shape \(1, 40\)\)" + accepts,
+                   input_ids=one, position_ids=restarts, use_cache=False)
+
+
+def test_the_models_own_4d_mask_is_honoured():
+    """The model's own 4-D mask (sliding-window causal AND key padding, as create_sliding_window_causal_mask builds
+    it, additive or bool) runs as its 2-D padding mask; with a cache past the window, the model's mask covers the
+    last window - 1 cached keys, and continuing a cache with it equals the one-shot logits."""
+    model = tiny((SWA, HCA, CSA))
+    ids, mask = padded(_prompts([40, 23, 9]), "left")
+    own = first_layer_mask(model, input_ids=ids, attention_mask=mask, use_cache=False)
+    assert own.shape == (3, 1, 40, 40) and torch.equal(own == 0, causal_mask_4d(mask, window=16))
+    long = _ids(2, 50)
+    eager_cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(long[:, :30], cache=eager_cache, use_cache=True)
+    cached = first_layer_mask(model, input_ids=long[:, 30:], attention_mask=torch.ones(2, 50, dtype=torch.long),
+                              cache=eager_cache, use_cache=True)
+    assert cached.shape == (2, 1, 20, 35)                               # 15 cached keys in the window + 20 new
+    dsattn_hf.enable(model)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, use_cache=False).logits
+        for form in (own, own == 0):
+            assert torch.equal(model(ids, attention_mask=form, use_cache=False).logits, want)
+        one = model(long, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        chunks = [model(long[:, :30], cache=cache, use_cache=True).logits,
+                  model(long[:, 30:], attention_mask=cached, cache=cache, use_cache=True).logits]
+    assert torch.allclose(torch.cat(chunks, 1), one, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("version,ok", [("5.10.0", False), ("5.16.2", False), ("5.17.0rc1", False),
+                                        ("5.17.0", True), ("5.25.0", True), ("6.1.0", True)])
+def test_the_transformers_version_floor(monkeypatch, version, ok):
+    from dsattn.integrations import transformers_dsa
+    patch_transformers_version(monkeypatch, version)
+    if ok:
+        transformers_dsa.check_transformers_version()
+    else:
+        with pytest.raises(ImportError, match=r"^dsattn's transformers integration needs transformers >= 5\.17 "
+                                              rf"\(installed: {re.escape(version)}\)"):
+            transformers_dsa.check_transformers_version()
+
+
+def test_an_old_transformers_is_named_at_enable_and_at_import(monkeypatch):
+    model = tiny((HCA,))
+    patch_transformers_version(monkeypatch, "5.10.0")
+    want = r"^dsattn's transformers integration needs transformers >= 5\.17 \(installed: 5\.10\.0\)"
+    with pytest.raises(ImportError, match=want):
+        dsattn_hf.enable(model)
+    assert model.config._attn_implementation == "eager" and not hasattr(model.model, "_dsattn_original_forward")
+    for name in ("dsattn.integrations.transformers", "dsattn.integrations.transformers_dsa"):
+        monkeypatch.delitem(sys.modules, name)               # (restored after the test)
+    with pytest.raises(ImportError, match=want):
+        importlib.import_module("dsattn.integrations.transformers")

@@ -58,6 +58,15 @@ tokens fill each window, padding included, and its positions count the padding u
 passes ``position_ids``.)  A cache that has served a padded batch serves that batch only (a batch of
 another size raises ``ValueError``); the row loop is B model calls per step.  Unpadded batches run as
 one batch.
+
+Masks: None, the 2-D padding mask, and a 4-D mask only when it is exactly the model's own causal (V4: sliding-window
+causal) mask with key padding, which then runs as that padding mask.  Every other mask -- a block-diagonal
+packed-sequence mask, any other 4-D mask, a 3-D mask, a prepared dict holding masks -- and position ids that restart
+within a row (transformers' packed-sequence form) raise ``ValueError`` naming the shape, in the base model's forward
+before any layer runs: transformers would pass them on unread or drop them (:func:`_served_mask`).
+
+transformers >= 5.17 (:data:`transformers_dsa.TRANSFORMERS_FLOOR`, the first release with all four model families):
+importing this module or calling :func:`enable` on an older one raises ``ImportError`` naming both versions.
 """
 from __future__ import annotations
 
@@ -68,6 +77,8 @@ import torch
 from .. import ops
 from ..hyper_parallel import npu_sparse_flash_mla, npu_sparse_flash_mla_grad
 from . import transformers_dsa
+
+transformers_dsa.check_transformers_version()      # (also when transformers_dsa was imported before)
 
 _SERVED = "DeepseekV4ForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM or Glm5NextForConditionalGeneration"
 
@@ -116,6 +127,7 @@ def enable(model, indexer_kl_loss: bool = False, indexer_kl_weight: float = 1.0)
     i.e. with ``labels``) and is also returned as ``indexer_kl_loss``.  Its gradient reaches only the
     indexer's parameters (its query projection, weight projection and compressor): the indexer's
     inputs are detached, and the main loss never reaches the indexer (its top-k is a selection)."""
+    transformers_dsa.check_transformers_version()
     mods = _attention_modules(model)
     family = None if mods else transformers_dsa.family_of(model)
     if not mods and family is None:
@@ -212,20 +224,133 @@ def _base_models(model):
     return [m for m in model.modules() if isinstance(m, cls)]
 
 
+# Which masks dsattn honours (read from transformers 5.17 - 5.25's masking_utils and the four models' forwards).
+# With ``enable``, V4, V3.2 and GLM-5 run with attn_implementation "dsattn", whose registered mask function returns
+# None: a 2-D padding mask never becomes a 4-D mask -- create_causal_mask / create_sliding_window_causal_mask call
+# that function and the attention modules receive None -- and GLM-5.3-Flash's text model keeps its 2-D [B, S]
+# mask (create_recurrent_attention_mask).  So on the normal paths (forward, padded batches, generate with the
+# default DynamicCache) the base model receives None or a 2-D mask, and the dsattn attention forwards read neither:
+# a 2-D mask with zeros is served by the row split below.  Every other mask would be silently dropped: a 3-D mask
+# (create_causal_mask passes it to the mask function, which returns None), a 4-D mask (_preprocess_mask_arguments
+# returns any 4-D mask as-is, "already prepared, or custom", and the dsattn attention ignores it), a prepared dict
+# (generate builds one only for a static / compileable cache), and the block-diagonal mask transformers builds
+# itself from position_ids that restart within a row (packed sequences, with no mask and no cache).  So here,
+# before anything runs:
+# * None and the 2-D padding mask (0 / 1, [batch, past + new tokens]) are served as before;
+# * a 4-D mask is honoured only when it is exactly the mask the eager model builds from a 2-D padding mask for this
+#   call -- causal (V4: causal within its sliding window, create_sliding_window_causal_mask's) AND a key padding
+#   mask, bool (True = attend, sdpa's form) or additive (0 / -inf or the dtype's min, eager's form), with the
+#   cache's offsets -- and it then runs as that 2-D padding mask; any other 4-D mask (a block-diagonal packed-
+#   sequence mask, a bias, a bidirectional or shifted one) is refused;
+# * every other mask (3-D, 1-D, 5-D, a BlockMask, a dict holding masks) and packed position_ids raise ValueError.
+
+def _accepted(window):
+    causal = "causal" if window is None else f"sliding-window ({window}) causal"
+    return (f"dsattn's attention takes None, a 2-D padding mask [batch, past + new tokens] of 0 / 1, or the model's "
+            f"own 4-D {causal} mask with key padding [batch or 1, 1, new tokens, keys]; pass packed sequences as "
+            f"the rows of a padded batch")
+
+
+def _served_mask(self, attention_mask, x, cache, rows, position_ids, use_cache):
+    """The mask the base model's forward runs with: None or a 2-D padding mask (``attention_mask`` itself, or the
+    padding of a 4-D mask that is the model's own causal one); ``ValueError`` naming the shape for every mask dsattn
+    cannot honour (the comment above); ``x``: the input ids or embeddings."""
+    B, S = x.shape[:2]
+    window = self.config.sliding_window if isinstance(self, _model_module().DeepseekV4Model) else None
+    if attention_mask is None:
+        # (transformers builds the packed mask only without a cache: none passed and none made, as the model's
+        # merge_with_config_defaults resolves use_cache)
+        use_cache = use_cache if use_cache is not None else getattr(self.config, "use_cache", None)
+        if use_cache and getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+            use_cache = False
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and cache is None and not use_cache and \
+                position_ids.shape[-1] > 1 and bool((position_ids.diff(dim=-1) != 1).any()):
+            raise ValueError(f"position_ids: they restart within a row (packed sequences, shape "
+                             f"{tuple(position_ids.shape)}), from which transformers builds a block-diagonal mask; "
+                             + _accepted(window))
+        return None
+    if isinstance(attention_mask, dict):
+        if all(m is None for m in attention_mask.values()):      # (what generate prepares with dsattn's mask function)
+            return attention_mask
+        shapes = {k: None if m is None else tuple(m.shape) for k, m in attention_mask.items()}
+        raise ValueError(f"attention_mask: a dict of prepared masks {shapes} (generate prepares one for a static "
+                         f"cache) is not served; " + _accepted(window))
+    if not isinstance(attention_mask, torch.Tensor):
+        shape = tuple(getattr(attention_mask, "shape", ()))
+        raise ValueError(f"attention_mask: a {type(attention_mask).__name__} of shape {shape} is not a mask dsattn "
+                         f"can honour; " + _accepted(window))
+    shape = tuple(attention_mask.shape)
+    if attention_mask.dim() == 2:
+        if shape[0] != B or shape[1] < S:
+            raise ValueError(f"attention_mask: expected [batch={B}, >= {S} tokens] (past and new tokens), got shape "
+                             f"{shape}")
+        if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError(f"attention_mask: the 2-D mask of shape {shape} holds values other than 0 and 1 (an "
+                             f"additive mask?); a 2-D mask is a padding mask, 1 at tokens and 0 at padding")
+        return attention_mask
+    if attention_mask.dim() != 4:
+        raise ValueError(f"attention_mask: shape {shape} ({attention_mask.dim()}-D) is not a mask dsattn can honour; "
+                         + _accepted(window))
+    return _padding_of_causal_mask(attention_mask, B, S, cache, rows, window).to(x.device)
+
+
+def _padding_of_causal_mask(mask, B: int, S: int, cache, rows, window):
+    """The 2-D padding mask ``[B, past + S]`` of a 4-D mask that is exactly the model's own causal(+padding) mask for
+    this call (``ValueError`` for any other): the key columns some query sees are the tokens, and the mask must be
+    the causal (V4: sliding-window causal) band over the cache's positions AND those columns."""
+    shape = tuple(mask.shape)
+    if rows is not None:
+        raise ValueError(f"attention_mask: a 4-D mask (shape {shape}) cannot continue a padded batch's cache; pass the "
+                         f"batch's 2-D padding mask")
+    if mask.dtype == torch.bool:
+        visible = mask
+    elif mask.is_floating_point():
+        visible = mask == 0
+        masked = torch.isneginf(mask) | (mask == torch.finfo(mask.dtype).min)
+        if not bool((visible | masked).all()):
+            raise ValueError(f"attention_mask: the 4-D mask of shape {shape} holds values other than 0 and -inf / the "
+                             f"dtype's minimum (an attention bias), which dsattn cannot honour; " + _accepted(window))
+    else:
+        raise ValueError(f"attention_mask: a 4-D {mask.dtype} mask (shape {shape}) is neither a bool nor an additive "
+                         f"float mask; " + _accepted(window))
+    past = cache.get_seq_length() if cache is not None else 0
+    # the key columns the model's own mask covers (transformers' cache get_mask_sizes): the whole past, or for V4's
+    # sliding-window layers the last window - 1 past tokens once the window is full
+    first = 0 if window is None else max(past - window + 1, 0)
+    T = past + S - first
+    if shape[0] not in (1, B) or shape[2] != S or shape[3] != T:
+        raise ValueError(f"attention_mask: the 4-D mask has shape {shape}; the model's own mask for this call is "
+                         f"[{B} or 1, 1, {S}, {T}] ({past} cached tokens); " + _accepted(window))
+    q = torch.arange(past, past + S, device=mask.device)[:, None]
+    k = torch.arange(first, first + T, device=mask.device)[None, :]
+    band = k <= q
+    if window is not None:
+        band = band & (k > q - window)
+    tokens = visible.any(dim=2).any(dim=1)                                           # [b, T]
+    if not torch.equal(visible, (band & tokens[:, None, None, :]).expand(visible.shape)):
+        raise ValueError(f"attention_mask: the 4-D mask of shape {shape} is not the model's own causal mask with key "
+                         f"padding (e.g. a block-diagonal packed-sequence mask); " + _accepted(window))
+    tokens = torch.cat([tokens.new_ones(tokens.shape[0], first), tokens], dim=1)
+    return tokens.expand(B, -1).long()
+
+
 def _padded_model_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                           inputs_embeds=None, use_cache=None, past_key_values=None, **kwargs):
     """DeepseekV4Model.forward; a padded batch (2-D ``attention_mask`` with zeros) runs row by row on each
-    row's own tokens, positions and cache (module docstring)."""
+    row's own tokens, positions and cache (module docstring).  Masks dsattn cannot honour raise first
+    (:func:`_served_mask`)."""
     forward = getattr(self, _ORIGINAL)
     cache = cache if cache is not None else past_key_values
     rows = getattr(cache, _ROWS, None)
+    x = input_ids if input_ids is not None else inputs_embeds
+    if x is not None:                                 # (neither: the model's own forward says so)
+        attention_mask = _served_mask(self, attention_mask, x, cache, rows, position_ids, use_cache)
     padded = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and \
         not bool(attention_mask.bool().all())
     if not padded and rows is None:
         return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                        inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     from transformers import DynamicCache
-    x = input_ids if input_ids is not None else inputs_embeds
     B, S = x.shape[:2]
     if attention_mask is None:
         attention_mask = torch.ones(B, S, dtype=torch.long, device=x.device)

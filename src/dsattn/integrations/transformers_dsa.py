@@ -25,7 +25,9 @@ scores alone are 512 GB a layer.  Here instead, with the model's own parameters 
 
 Prefill, ``generate`` (the model's ``DynamicCache``), padded batches (run as their rows alone, as for
 DeepSeek-V4: :func:`dsattn.integrations.transformers._padded_model_forward`) and training (``sparse_flash_mla``
-is differentiable in q and the KV; the indexer, as the model's, selects without a gradient) are served.
+is differentiable in q and the KV; the indexer, as the model's, selects without a gradient) are served.  The masks
+served are V4's (:func:`dsattn.integrations.transformers._served_mask`): None, the 2-D padding mask and the model's
+own 4-D causal mask with key padding; any other (a packed-sequence mask, a 3-D one) raises ``ValueError``.
 
 transformers' attention-function registry is not enough for these models: it receives keys and values already
 expanded per head, after the dense indexer ran.  So ``attn_implementation="dsattn"`` (registered by
@@ -40,6 +42,34 @@ import torch
 
 from .. import ops
 from ..hyper_parallel import npu_sparse_flash_mla
+
+# The oldest transformers the integration serves (pyproject's ``hf`` extra): the first release with every model class
+# it swaps forwards in -- DeepseekV4Attention, DeepseekV32Attention, GlmMoeDsaAttention and Glm5NextTextAttention
+# (5.16 has the first three; Glm5Next, GLM-5.3-Flash, arrives in 5.17).  The integration replaces transformers'
+# private forwards, so it also has a tested ceiling: pyproject's ``<`` bound.
+TRANSFORMERS_FLOOR = "5.17"
+
+
+def check_transformers_version() -> None:
+    """Raise ``ImportError`` naming the installed and the needed version when transformers is older than
+    :data:`TRANSFORMERS_FLOOR` (or missing).  Run at import of the integration and by ``enable``; reads
+    ``transformers.__version__`` (the version actually imported, also for a source checkout)."""
+    need = f"dsattn's transformers integration needs transformers >= {TRANSFORMERS_FLOOR}"
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"{need} (not installed): pip install 'dsattn[hf]'") from e
+    from packaging.version import InvalidVersion, Version
+    installed = getattr(transformers, "__version__", None)
+    try:
+        ok = installed is not None and Version(str(installed)) >= Version(TRANSFORMERS_FLOOR)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise ImportError(f"{need} (installed: {installed}): pip install -U 'dsattn[hf]'")
+
+
+check_transformers_version()
 
 QUERY_CHUNK = 2048                     # query rows a sparse_flash_mla call takes
 _SKIP = torch.iinfo(torch.int32).max   # a list slot the walk skips (past any visible bound)
