@@ -50,7 +50,6 @@ def test_fuzz_large(family):
 
 def test_budget_is_at_least_1500_configurations():
     assert sum(n // CHUNK * CHUNK for n in BUDGET.values()) >= 1500
-    assert set(BUDGET) == set(fuzz.FAMILIES), "every fuzzed family has a budget in the default suite"
 
 
 def test_the_suite_catches_a_stray_read(monkeypatch):

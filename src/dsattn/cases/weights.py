@@ -42,12 +42,13 @@ class QuantLinearCase:
         return ref.fp8_block_linear(self.x, self.codes, self.scale, self.block, self.bias)
 
     def magnitude(self) -> torch.Tensor:
-        """|x| |W|^T in float64: the scale of each output's rounding (its products' magnitudes summed)."""
+        """|x| |W|^T (+ |bias|) in float64: the scale of each output's rounding (its terms' magnitudes summed)."""
         from ..weights import problem, ref
         P = (problem.parse_mxfp4_linear(self.x, self.codes, self.scale, None) if self.format == "fp4" else
              problem.parse_fp8_linear(self.x, self.codes, self.scale, list(self.block), None))
         w = ref.weight_of(P).abs()
-        return (self.x.double().abs().reshape(-1, self.x.shape[-1]) @ w.T).reshape(P.out_shape)
+        m = (self.x.double().abs().reshape(-1, self.x.shape[-1]) @ w.T).reshape(P.out_shape)
+        return m if self.bias is None else m + self.bias.double().abs()
 
 
 def quant_linear_config(seed: int, rows: int | None = None, compiled: bool = False) -> QuantLinearCase:
