@@ -81,10 +81,11 @@ def quant_linear_config(seed: int, rows: int | None = None, compiled: bool = Fal
         codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
         shape = (N, K // 32)
         kind = rnd.choice(("ue8m0", "pow2", "fp32"))
+        top = 0 if dtype == torch.float16 else 6          # (fp16 outputs: sums within its range)
         if kind == "ue8m0":
-            scale = torch.randint(118, 134, shape, dtype=torch.uint8, generator=g)
+            scale = torch.randint(118, 128 + top, shape, dtype=torch.uint8, generator=g)
         elif kind == "pow2":
-            scale = torch.exp2(torch.randint(-9, 5, shape, generator=g).float())
+            scale = torch.exp2(torch.randint(-9, 1 + top, shape, generator=g).float())
         else:
             scale = torch.rand(shape, generator=g) * 0.5 + 0.01
     if rnd.random() < 0.15 and N > 1:
