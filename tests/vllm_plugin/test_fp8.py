@@ -222,13 +222,16 @@ def test_bfloat16_kernel_choice_on_this_cpu(checkpoints):
 
 
 def _failure(run) -> str:
-    """The error a vLLM run ended with ('' where it served): its last line naming an Error."""
+    """The error a vLLM run ended with ('' where it served): its root cause, the config's ``Value error`` or else the
+    first exception line (vLLM's engine logs its own first; the later lines are the engine's generic ones), less
+    vLLM's log prefix (process id, time)."""
     try:
         run()
     except AssertionError as e:
         lines = str(e).splitlines()
-        named = [ln for ln in lines if "Value error, " in ln] or [ln for ln in lines if "Error" in ln]
-        return re.sub(r"^.*?\[[\w.]+:\d+\] ", "", named[-1]).strip() if named else str(e)   # (less vLLM's log prefix)
+        named = ([ln for ln in lines if "Value error, " in ln] or [ln for ln in lines if re.search(r"\w*Error: ", ln)]
+                 or lines)
+        return re.sub(r"^.*?\[[\w.]+:\d+\] ", "", named[0]).strip()
     return ""
 
 
