@@ -342,14 +342,6 @@ void stream_rows(const QuantProblem& p, int64_t n0, int64_t n1) {
   stream_rows_generic<MR, F>(p, n0, n1);
 }
 
-template <int MR, Codes F>
-void stream_all(const QuantProblem& p) {
-  // grains of 16 rows: a thread's share of a decode call is contiguous weight bytes
-  at::parallel_for(0, (p.N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
-    stream_rows<MR, F>(p, g0 * 16, std::min(p.N, g1 * 16));
-  });
-}
-
 template <Codes F>
 void stream_rows_of(const QuantProblem& p, int64_t n0, int64_t n1) {
   switch (p.M) {
@@ -391,17 +383,11 @@ void stream_groups(const QuantProblem& p) {
 
 template <Codes F>
 void stream(const QuantProblem& p) {
-  switch (p.M) {
-    case 1: return stream_all<1, F>(p);
-    case 2: return stream_all<2, F>(p);
-    case 3: return stream_all<3, F>(p);
-    case 4: return stream_all<4, F>(p);
-    case 5: return stream_all<5, F>(p);
-    case 6: return stream_all<6, F>(p);
-    case 7: return stream_all<7, F>(p);
-    case 8: return stream_all<8, F>(p);
-    default: return stream_groups<F>(p);
-  }
+  if (p.M > STREAM_ROWS) return stream_groups<F>(p);
+  // grains of 16 rows: a thread's share of a decode call is contiguous weight bytes
+  at::parallel_for(0, (p.N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
+    stream_rows_of<F>(p, g0 * 16, std::min(p.N, g1 * 16));
+  });
 }
 
 // ---- tiled ----
